@@ -1,0 +1,28 @@
+"""ampguard: make PyTorch mixed-precision training safe by default.
+
+``ampguard.install()`` (or ``AMPGUARD=1``) patches torch, and Lightning when the program
+imports it, so that an LR scheduler never advances on a step GradScaler skipped, and a loss
+scale that collapses stops the run before the parameters turn NaN.
+"""
+
+from __future__ import annotations
+
+from . import schedulers as _schedulers  # noqa: F401  (declares its patch targets)
+from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError
+from ._guard import Guard, Stats, active, guard, install, uninstall
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpGuardError",
+    "AmpGuardWarning",
+    "ConfigError",
+    "Guard",
+    "LossScaleCollapseError",
+    "Stats",
+    "__version__",
+    "active",
+    "guard",
+    "install",
+    "uninstall",
+]

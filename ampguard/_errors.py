@@ -1,0 +1,28 @@
+"""Every exception and warning ampguard raises, in one place so users can catch them by name."""
+
+from __future__ import annotations
+
+
+class AmpGuardError(Exception):
+    """Base class of every error ampguard raises on purpose."""
+
+
+class ConfigError(AmpGuardError, ValueError):
+    """An option or ``AMPGUARD_*`` variable has a value ampguard does not accept."""
+
+
+class LossScaleCollapseError(AmpGuardError):
+    """The GradScaler's loss scale kept shrinking: training can no longer make progress.
+
+    Raised *before* the scale reaches a value at which gradients silently turn into NaN,
+    so the parameters are still the last finite ones.
+    """
+
+    def __init__(self, message: str, *, optimizers: list[str], scale_history: list[float]) -> None:
+        super().__init__(message)
+        self.optimizers = optimizers
+        self.scale_history = scale_history
+
+
+class AmpGuardWarning(UserWarning):
+    """Category of every warning ampguard issues (``-W error::ampguard.AmpGuardWarning`` works)."""

@@ -1,0 +1,263 @@
+"""The Guard: the one object every patch reports to, and the install/uninstall state.
+
+Data flows one way: patches observe events (an optimizer step, a scale update, a scheduler
+step) and report them here; the Guard holds the per-object state and the counters. Per-object
+state lives in identity-keyed weak maps owned by the Guard, never on the torch objects, so
+``state_dict()`` and pickling are unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from . import _options
+from ._errors import AmpGuardWarning
+from ._patching import REGISTRY
+
+log = logging.getLogger("ampguard")
+
+V = TypeVar("V")
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters users can read at any time; names follow what users see."""
+
+    optimizer_steps_applied: int = 0
+    optimizer_steps_skipped: int = 0
+    scheduler_steps_held: int = 0
+    loss_scale: float | None = None  # the scale in effect at the latest GradScaler.update()
+    loss_scale_min: float | None = None
+    loss_scale_max: float | None = None
+    closures_injected: int = 0
+    nonfinite_detected: int = 0
+
+    def note_scale(self, scale: float) -> None:
+        self.loss_scale = scale
+        self.loss_scale_min = scale if self.loss_scale_min is None else min(self.loss_scale_min, scale)
+        self.loss_scale_max = scale if self.loss_scale_max is None else max(self.loss_scale_max, scale)
+
+    def anything_happened(self) -> bool:
+        return bool(self.optimizer_steps_skipped or self.scheduler_steps_held
+                    or self.closures_injected or self.nonfinite_detected)
+
+
+class ObjectState(Generic[V]):
+    """Per-object state keyed by identity, dropped when the object is garbage-collected.
+
+    Identity, not ``__eq__``/``__hash__``: a user's optimizer subclass may define either.
+    """
+
+    def __init__(self, factory: Callable[[Any], V]) -> None:
+        self._factory = factory
+        self._data: dict[int, tuple[weakref.ref, V]] = {}
+
+    def get(self, obj: Any) -> V | None:
+        entry = self._data.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        return None
+
+    def of(self, obj: Any) -> V:
+        value = self.get(obj)
+        if value is None:
+            value = self.set(obj, self._factory(obj))
+        return value
+
+    def set(self, obj: Any, value: V) -> V:
+        key = id(obj)
+        data = self._data
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            entry = data.get(key)
+            if entry is not None and entry[0] is ref:
+                del data[key]
+
+        data[key] = (weakref.ref(obj, drop), value)
+        return value
+
+    def pop(self, obj: Any) -> V | None:
+        value = self.get(obj)
+        if value is not None:
+            del self._data[id(obj)]
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Guard:
+    """Options, statistics and per-object state of one installation.
+
+    Get the active one from :func:`ampguard.install`, :func:`ampguard.guard` or
+    :func:`ampguard.active`; do not construct it yourself.
+    """
+
+    def __init__(self, options: _options.Options) -> None:
+        self.options = options
+        self.stats = Stats()
+        self._disabled: set[str] = set()  # features switched off after an internal failure
+        self._state: dict[str, ObjectState[Any]] = {}
+        self._names: ObjectState[str] = ObjectState(self._name_for)
+        self._name_counts: dict[str, int] = {}
+
+    def enabled(self, feature: str) -> bool:
+        return bool(getattr(self.options, feature)) and feature not in self._disabled
+
+    def state(self, kind: str, factory: Callable[[Any], Any]) -> ObjectState[Any]:
+        """The Guard-owned weak map for one kind of per-object state."""
+        table = self._state.get(kind)
+        if table is None:
+            table = self._state[kind] = ObjectState(factory)
+        return table
+
+    def name_of(self, obj: Any) -> str:
+        """A stable, readable name for an object in messages: ``AdamW#0``."""
+        return self._names.of(obj)
+
+    def _name_for(self, obj: Any) -> str:
+        kind = type(obj).__name__
+        n = self._name_counts.get(kind, 0)
+        self._name_counts[kind] = n + 1
+        return f"{kind}#{n}"
+
+    def report(self) -> str:
+        s = self.stats
+        lines = ["ampguard report"]
+        lines.append(f"  optimizer steps: {s.optimizer_steps_applied} applied, "
+                     f"{s.optimizer_steps_skipped} skipped by GradScaler (inf/NaN gradients)")
+        lines.append(f"  scheduler steps held: {s.scheduler_steps_held}")
+        if s.loss_scale is not None:
+            lines.append(f"  loss scale: last {s.loss_scale:g} (range {s.loss_scale_min:g} .. {s.loss_scale_max:g})")
+        lines.append(f"  closures injected: {s.closures_injected}")
+        lines.append(f"  non-finite values detected: {s.nonfinite_detected}")
+        if self._disabled:
+            lines.append(f"  disabled after an internal error: {', '.join(sorted(self._disabled))} "
+                         "(see the 'ampguard' log)")
+        lines.append("  docs: README.md, section 'What ampguard does'")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<ampguard.Guard {self.options}>"
+
+
+# -- installation state ------------------------------------------------------------------
+_lock = threading.RLock()
+_active: Guard | None = None
+_warned: set[str] = set()
+_on_change: list[Callable[[Guard | None], None]] = []
+
+
+def active() -> Guard | None:
+    """The installed Guard, or None."""
+    return _active
+
+
+def current(feature: str) -> Guard | None:
+    """The active Guard if ``feature`` is on; the cheap check every patch starts with."""
+    g = _active
+    if g is not None and feature not in g._disabled and getattr(g.options, feature):
+        return g
+    return None
+
+
+def on_change(callback: Callable[[Guard | None], None]) -> None:
+    """Call ``callback(guard)`` whenever the active guard or its options change."""
+    _on_change.append(callback)
+
+
+def _set_active(g: Guard | None) -> None:
+    global _active
+    _active = g
+    for callback in _on_change:
+        try:
+            callback(g)
+        except Exception as exc:
+            internal_failure("activation", exc)
+
+
+def install(**options: Any) -> Guard:
+    with _lock:
+        if _active is None:
+            g = Guard(_options.resolve(options))
+            REGISTRY.install()
+            _set_active(g)
+        else:
+            _active.options = _active.options.replace(**options)
+            _set_active(_active)
+        return _active
+
+
+def uninstall() -> None:
+    with _lock:
+        if _active is None and not REGISTRY.installed:
+            return
+        REGISTRY.uninstall()
+        _set_active(None)
+
+
+@contextlib.contextmanager
+def guard(**options: Any) -> Iterator[Guard]:
+    with _lock:
+        previous = _active
+        if previous is None:
+            g = install(**options)
+        else:
+            # A nested guard: fresh counters, the outer options with these on top.
+            g = Guard(previous.options.replace(**options))
+            _set_active(g)
+    try:
+        yield g
+    finally:
+        with _lock:
+            if previous is None:
+                if _active is g:
+                    uninstall()
+            else:
+                _set_active(previous)
+
+
+def internal_failure(feature: str, exc: BaseException) -> None:
+    """An ampguard bug: log it, warn once, and switch the feature off so PyTorch's behaviour is used."""
+    log.error("ampguard: internal error in %s; falling back to PyTorch's own behaviour", feature, exc_info=exc)
+    g = _active
+    if g is not None:
+        g._disabled.add(feature)
+    if feature not in _warned:
+        _warned.add(feature)
+        warnings.warn(
+            f"ampguard: internal error in {feature} ({type(exc).__name__}: {exc}); {feature} is switched off "
+            "for the rest of this run and PyTorch's own behaviour is used. The 'ampguard' logger has the "
+            "traceback; please report it.",
+            AmpGuardWarning,
+            stacklevel=3,
+        )
+
+
+class Depth(threading.local):
+    """Per-thread nesting counters: a patched override that calls super() decides once, outermost."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def inside(self, key: str) -> Iterator[None]:
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            counts[key] -= 1
+
+    def level(self, key: str) -> int:
+        return self.counts.get(key, 0)
+
+
+DEPTH = Depth()

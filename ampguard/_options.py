@@ -1,0 +1,206 @@
+"""Option definitions, validation and the ``AMPGUARD_*`` environment forms.
+
+Precedence, as in ddtrace: keyword arguments, then ``AMPGUARD_<OPTION>`` variables, then
+defaults. Every option is declared once in ``SPECS``; validation, environment parsing,
+the README table and ``python -m ampguard doctor`` all read that one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    default: Any
+    accepted: str  # human-readable list of accepted values, used in every error message
+    check: Callable[[Any], Any]  # validates a Python value, returns the normalised value
+    parse_env: Callable[[str], Any]  # turns an env string into a Python value (then `check`)
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return "AMPGUARD_" + self.name.upper()
+
+
+class _Reject(Exception):
+    """Raised by a checker; the spec turns it into a ConfigError naming the option."""
+
+
+def _check_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Reject
+
+
+def _env_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise _Reject
+
+
+def _check_skips(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _Reject
+    return value
+
+
+def _env_skips(text: str) -> int | None:
+    low = text.strip().lower()
+    if low in ("none", "off"):
+        return None
+    try:
+        return int(low)
+    except ValueError:
+        raise _Reject from None
+
+
+def _choice(*choices: str) -> tuple[Callable[[Any], str], Callable[[str], str]]:
+    def check(value: Any) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        raise _Reject
+
+    def parse(text: str) -> str:
+        return text.strip().lower()
+
+    return check, parse
+
+
+def _check_devices(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (tuple, list)) or not value:
+        raise _Reject
+    out = []
+    for item in value:
+        if not isinstance(item, str) or not item.strip() or ":" in item:
+            raise _Reject
+        out.append(item.strip().lower())
+    return tuple(out)
+
+
+def _env_devices(text: str) -> tuple[str, ...] | None:
+    low = text.strip().lower()
+    if low in ("", "all", "none"):
+        return None
+    return tuple(part.strip() for part in low.split(","))
+
+
+SPECS: dict[str, OptionSpec] = {}
+
+
+def _spec(name: str, default: Any, accepted: str, check: Callable, parse_env: Callable, doc: str) -> None:
+    SPECS[name] = OptionSpec(name, default, accepted, check, parse_env, doc)
+
+
+_spec(
+    "schedulers",
+    True,
+    "True or False (env: 1/0, true/false, yes/no, on/off)",
+    _check_bool,
+    _env_bool,
+    "Hold an LR scheduler's step() when GradScaler skipped every optimizer step since its last step.",
+)
+_spec(
+    "max_consecutive_skips",
+    32,
+    "a positive integer, or None to disable the count (env: an integer or 'none')",
+    _check_skips,
+    _env_skips,
+    "Raise LossScaleCollapseError after this many GradScaler updates in a row that skipped a step. "
+    "The scale also may never reach 0, whatever this says.",
+)
+
+_RUNTIME_KEYS: tuple[str, ...] = ()  # AMPGUARD_* switches that are not guard options
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The validated options of one Guard. Build it with :func:`resolve`."""
+
+    schedulers: bool = True
+    max_consecutive_skips: int | None = 32
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **validate(changes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _fail(spec: OptionSpec, value: Any, source: str) -> ConfigError:
+    return ConfigError(f"ampguard: {source} got {value!r}; accepted values: {spec.accepted}")
+
+
+def validate(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Check keyword options; raise ConfigError naming the option and the accepted values."""
+    out = {}
+    for name, value in options.items():
+        spec = SPECS.get(name)
+        if spec is None:
+            raise ConfigError(f"ampguard: unknown option {name!r}; accepted options: {', '.join(sorted(SPECS))}")
+        try:
+            out[name] = spec.check(value)
+        except _Reject:
+            raise _fail(spec, value, f"option {name!r}") from None
+    return out
+
+
+def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read every ``AMPGUARD_<OPTION>`` that is set; raise ConfigError naming the variable."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for spec in SPECS.values():
+        text = environ.get(spec.env)
+        if text is None or text.strip() == "":
+            continue
+        try:
+            out[spec.name] = spec.check(spec.parse_env(text))
+        except _Reject:
+            raise _fail(spec, text, f"environment variable {spec.env}") from None
+    known = {spec.env for spec in SPECS.values()} | {"AMPGUARD_" + k.upper() for k in _RUNTIME_KEYS}
+    unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in known)
+    if unknown:
+        accepted = ", ".join(sorted(known))
+        raise ConfigError(f"ampguard: unknown environment variable {unknown[0]}; accepted variables: {accepted}")
+    return out
+
+
+def resolve(kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+            base: Options | None = None) -> Options:
+    """Keyword arguments over environment over ``base`` (or the defaults)."""
+    merged = from_environ(environ)
+    merged.update(validate(kwargs))
+    return dataclasses.replace(base or Options(), **merged)
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """A boolean ``AMPGUARD``-family switch such as ``AMPGUARD`` or ``AMPGUARD_REPORT``."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"ampguard: environment variable {name} got {text!r}; "
+                      "accepted values: 1/0, true/false, yes/no, on/off")

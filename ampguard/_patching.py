@@ -1,0 +1,225 @@
+"""The patch registry: wrap a method across a class hierarchy, lazily, and restore it exactly.
+
+A patch on a base class does not reach a subclass that overrides the method without calling
+``super()`` (``SequentialLR.step``, ``ShardedGradScaler.update``), so every patch is applied
+to the base *and* to each subclass that defines the method in its own ``__dict__``: the ones
+that exist now (walked through ``__subclasses__()``) and the ones defined later (through an
+``__init_subclass__`` that ampguard adds to the base and removes again).
+
+Patches apply when the program imports the target module (wrapt post-import hooks), never
+earlier. wrapt cannot unregister a hook, so each hook checks whether the registry is still
+installed. Every replaced attribute is recorded with the exact object it replaced; uninstall
+puts that object back, so ``vars(cls)[name] is original`` holds afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pkgutil
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import wrapt
+
+log = logging.getLogger("ampguard")
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One patched method: what it wraps, why, and which import triggers it."""
+
+    module: str  # the import that triggers the patch, e.g. "torch"
+    owner: str  # "pkg.mod:Class" of the base class, resolved only once `module` is imported
+    name: str  # the method name on the base class and on overriding subclasses
+    wrapper: Callable[..., Any]  # wrapt signature: wrapper(wrapped, instance, args, kwargs)
+    why: str
+
+
+@dataclasses.dataclass
+class _Record:
+    cls_ref: weakref.ref
+    name: str
+    original: Any  # the exact object found in vars(cls), or _MISSING if ampguard added the name
+    replacement: Any
+
+
+class Registry:
+    """Owns every attribute ampguard replaced; the one place that patches and restores."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._targets: list[Target] = []
+        self._records: dict[tuple[int, str], _Record] = {}
+        self._hooked_bases: dict[int, type] = {}
+        self._bases: list[tuple[Target, type]] = []  # targets applied so far, with their base class
+        self._import_hooks: set[str] = set()
+        self.installed = False
+
+    # -- declaration -------------------------------------------------------------------
+    def add(self, target: Target) -> None:
+        with self._lock:
+            self._targets.append(target)
+            if self.installed:
+                self._register_import_hook(target.module)
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return tuple(self._targets)
+
+    # -- install / uninstall -----------------------------------------------------------
+    def install(self) -> None:
+        with self._lock:
+            if self.installed:
+                return
+            self.installed = True
+            for module in dict.fromkeys(t.module for t in self._targets):
+                self._register_import_hook(module)
+                if module in sys.modules:  # a hook registered earlier in this process fires no more
+                    self._on_import(sys.modules[module])
+
+    def uninstall(self) -> None:
+        with self._lock:
+            if not self.installed:
+                return
+            self.installed = False
+            for record in reversed(list(self._records.values())):
+                cls = record.cls_ref()
+                if cls is None:
+                    continue
+                current = vars(cls).get(record.name, _MISSING)
+                if current is not record.replacement:
+                    log.warning("%s.%s was replaced by someone else after ampguard patched it; leaving it as it is",
+                                cls.__qualname__, record.name)
+                    continue
+                if record.original is _MISSING:
+                    delattr(cls, record.name)
+                else:
+                    setattr(cls, record.name, record.original)
+            self._records.clear()
+            self._hooked_bases.clear()
+            self._bases.clear()
+
+    def patched(self) -> Iterator[tuple[type, str, Any]]:
+        """(class, name, original) for every attribute currently replaced."""
+        with self._lock:
+            for record in list(self._records.values()):
+                cls = record.cls_ref()
+                if cls is not None:
+                    yield cls, record.name, record.original
+
+    # -- import hooks ------------------------------------------------------------------
+    def _register_import_hook(self, module: str) -> None:
+        if module in self._import_hooks:
+            return
+        self._import_hooks.add(module)
+        wrapt.register_post_import_hook(self._on_import, module)
+
+    def _on_import(self, module: Any) -> None:
+        # Runs inside the user's import statement: an exception here would fail their import.
+        try:
+            with self._lock:
+                if not self.installed:
+                    return
+                for target in self._targets:
+                    if target.module == module.__name__:
+                        self._apply(target)
+        except Exception as exc:
+            _report_failure(f"patching {getattr(module, '__name__', module)}", exc)
+
+    def apply_pending(self) -> None:
+        """Apply every target whose module is already imported (used after targets are added)."""
+        with self._lock:
+            if self.installed:
+                for target in self._targets:
+                    if target.module in sys.modules:
+                        self._apply(target)
+
+    # -- the hierarchy machinery -------------------------------------------------------
+    def _resolve(self, target: Target) -> type | None:
+        module_name = target.owner.partition(":")[0]
+        if module_name not in sys.modules:
+            log.debug("ampguard: %s is not imported; %s is not patched", module_name, target.owner)
+            return None
+        return pkgutil.resolve_name(target.owner)
+
+    def _apply(self, target: Target) -> None:
+        base = self._resolve(target)
+        if base is None:
+            return
+        self._hook_subclassing(base)
+        if not any(t is target for t, _ in self._bases):
+            self._bases.append((target, base))
+        for cls in _walk(base):
+            self._wrap(cls, target)
+
+    def _wrap(self, cls: type, target: Target) -> None:
+        key = (id(cls), target.name)
+        record = self._records.get(key)
+        if record is not None and record.cls_ref() is cls and vars(cls).get(target.name) is record.replacement:
+            return  # installing twice wraps once
+        if target.name not in vars(cls):
+            return
+        original = vars(cls)[target.name]
+        replacement = wrapt.FunctionWrapper(original, target.wrapper)
+        setattr(cls, target.name, replacement)
+        self._records[key] = _Record(weakref.ref(cls), target.name, original, replacement)
+
+    def _hook_subclassing(self, base: type) -> None:
+        if id(base) in self._hooked_bases:
+            return
+        original = vars(base).get("__init_subclass__", _MISSING)
+        registry = self
+
+        if original is _MISSING:
+            def __init_subclass__(cls: type, **kwargs: Any) -> None:
+                super(base, cls).__init_subclass__(**kwargs)
+                registry._on_subclass(cls)
+        else:
+            def __init_subclass__(cls: type, **kwargs: Any) -> None:
+                original.__get__(None, cls)(**kwargs)
+                registry._on_subclass(cls)
+
+        replacement = classmethod(__init_subclass__)
+        base.__init_subclass__ = replacement
+        self._records[(id(base), "__init_subclass__")] = _Record(
+            weakref.ref(base), "__init_subclass__", original, replacement)
+        self._hooked_bases[id(base)] = base
+
+    def _on_subclass(self, cls: type) -> None:
+        # Runs inside the user's class statement: never let an ampguard failure break it.
+        try:
+            with self._lock:
+                if not self.installed:
+                    return
+                for target, base in self._bases:
+                    if issubclass(cls, base):
+                        self._wrap(cls, target)
+        except Exception as exc:
+            _report_failure(f"patching subclass {cls.__qualname__}", exc)
+
+
+def _walk(base: type) -> Iterator[type]:
+    seen: set[int] = set()
+    stack = [base]
+    while stack:
+        cls = stack.pop()
+        if id(cls) in seen:
+            continue
+        seen.add(id(cls))
+        yield cls
+        stack.extend(type.__subclasses__(cls))
+
+
+def _report_failure(what: str, exc: BaseException) -> None:
+    from ._guard import internal_failure  # late: _guard imports this module
+
+    internal_failure(what, exc)
+
+
+REGISTRY = Registry()

@@ -1,0 +1,294 @@
+"""GradScaler skip detection, LR-scheduler holding and loss-scale collapse detection.
+
+Patch targets (each undone by the registry, which restores the exact original):
+
+- ``GradScaler.step`` and overrides: after the original, remember which optimizer was
+  stepped and the scaler's own per-device ``found_inf`` tensors for it. Nothing is read yet.
+- ``GradScaler.update`` and overrides (``ShardedGradScaler.update``): *before* the original,
+  which sums every ``found_inf`` into the first one in place and then discards them, read each
+  optimizer's ``found_inf`` and the scale in one host-device transfer. That is the only sync
+  ampguard adds, once per iteration, and only where a scaler is used. The optimizer was
+  skipped exactly when its ``found_inf`` is non-zero: this is the scaler's own decision, so it
+  is right for fused optimizers (whose ``step()`` runs and skips inside the kernel), for several
+  optimizers on one scaler, for ``update(new_scale=...)`` and for a scale of 0, where comparing
+  ``get_scale()`` before and after is not.
+- ``LRScheduler.step`` and overrides: held (not executed) when its optimizer had at least one
+  skipped step and no applied step since this scheduler's last executed step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import sys
+import weakref
+from collections import deque
+from typing import Any
+
+from . import _guard
+from ._errors import AmpGuardError, LossScaleCollapseError
+from ._guard import DEPTH, Guard, internal_failure
+from ._patching import REGISTRY, Target
+
+FEATURE = "schedulers"
+_SMALLEST_NORMAL_FP32 = 2.0**-126
+
+
+@dataclasses.dataclass
+class OptimizerRecord:
+    applied: int = 0
+    skipped: int = 0
+
+
+@dataclasses.dataclass
+class _PendingStep:
+    optimizer: weakref.ref
+    found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
+
+
+@dataclasses.dataclass
+class ScalerRecord:
+    pending: list[_PendingStep] = dataclasses.field(default_factory=list)
+    iteration_skipped: list[str] = dataclasses.field(default_factory=list)  # optimizers skipped since update
+    iteration_scale: float | None = None
+    consecutive_skips: int = 0
+    skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
+    history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
+
+
+def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
+    return g.state("optimizers", lambda _: OptimizerRecord())
+
+
+def _scalers(g: Guard) -> _guard.ObjectState[ScalerRecord]:
+    return g.state("scalers", lambda _: ScalerRecord())
+
+
+def _snapshots(g: Guard) -> _guard.ObjectState[list]:
+    # (applied, skipped) of the scheduler's optimizer at the scheduler's last executed step.
+    return g.state("scheduler_snapshots", lambda _: [0, 0])
+
+
+def _pending_owner(g: Guard) -> _guard.ObjectState[weakref.ref]:
+    return g.state("pending_scaler_of_optimizer", weakref.ref)
+
+
+# -- GradScaler.step -----------------------------------------------------------------------
+def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    g = _guard.current(FEATURE)
+    if g is None or DEPTH.level("scaler.step"):
+        return wrapped(*args, **kwargs)
+    with DEPTH.inside("scaler.step"):
+        result = wrapped(*args, **kwargs)
+    try:
+        if getattr(instance, "_enabled", False):
+            optimizer = args[0] if args else kwargs["optimizer"]
+            _remember_step(g, instance, optimizer)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return result
+
+
+def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    found = list(state["found_inf_per_device"].values()) if state else []
+    if not found:
+        return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
+    record = _scalers(g).of(scaler)
+    record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
+    record.pending.append(_PendingStep(weakref.ref(optimizer), found))
+    _pending_owner(g).set(optimizer, weakref.ref(scaler))
+
+
+# -- GradScaler.update ---------------------------------------------------------------------
+def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    g = _guard.current(FEATURE)
+    if g is None or DEPTH.level("scaler.update") or not getattr(instance, "_enabled", False):
+        return wrapped(*args, **kwargs)
+    with DEPTH.inside("scaler.update"):
+        try:
+            new_scale = args[0] if args else kwargs.get("new_scale")
+            _before_update(g, instance, new_scale)
+        except AmpGuardError:
+            raise
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
+        return wrapped(*args, **kwargs)
+
+
+def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> float | None:
+    """Read the pending optimizers' found_inf and the scale, in one transfer; count the steps.
+
+    Returns the value of ``extra`` (a tensor ``new_scale``) when one is given.
+    """
+    import torch
+
+    pending, record.pending = record.pending, []
+    if not pending and extra is None:
+        return None
+    scale = scaler._scale
+    device = scale.device
+    parts = [_sum_to(p.found_inf, device) for p in pending]
+    parts.append(scale.detach().reshape(()).float())
+    if extra is not None:
+        parts.append(extra.detach().to(device).reshape(()).float())
+    values = torch.stack(parts).tolist()  # the one host-device sync of this iteration
+    if pending:
+        record.iteration_scale = values[len(pending)]
+    stats = g.stats
+    table = optimizers(g)
+    owners = _pending_owner(g)
+    for p, found in zip(pending, values, strict=False):
+        optimizer = p.optimizer()
+        if optimizer is None:
+            continue
+        owners.pop(optimizer)
+        opt_record = table.of(optimizer)
+        if found != 0:
+            opt_record.skipped += 1
+            stats.optimizer_steps_skipped += 1
+            record.iteration_skipped.append(g.name_of(optimizer))
+        else:
+            opt_record.applied += 1
+            stats.optimizer_steps_applied += 1
+    return values[-1] if extra is not None else None
+
+
+def _sum_to(tensors: list[Any], device: Any) -> Any:
+    total = tensors[0].to(device, non_blocking=True).reshape(()).float()
+    for t in tensors[1:]:
+        total = total + t.to(device, non_blocking=True).reshape(())
+    return total
+
+
+def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
+    import torch
+
+    record = _scalers(g).of(scaler)
+    tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
+    new_value = _resolve(g, scaler, record, tensor_new_scale)
+    if new_value is None and new_scale is not None and not isinstance(new_scale, torch.Tensor):
+        new_value = float(new_scale)
+
+    scale = record.iteration_scale
+    skipped, record.iteration_skipped = record.iteration_skipped, []
+    record.iteration_scale = None
+    if scale is None:  # update() without any tracked step this iteration
+        return
+    g.stats.note_scale(scale)
+    record.history.append(scale)
+    if skipped:
+        record.consecutive_skips += 1
+        record.skipped_in_run.update(dict.fromkeys(skipped))
+    else:
+        record.consecutive_skips = 0
+        record.skipped_in_run.clear()
+
+    if new_value is not None:
+        predicted = new_value
+    elif skipped:
+        predicted = _fp32(scale * scaler._backoff_factor)
+    else:
+        predicted = scale
+    limit = g.options.max_consecutive_skips
+    if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
+        raise _collapse(g, record, skipped, scale, predicted,
+                        f"the loss scale would become {predicted:g}" +
+                        (" (set through update(new_scale=...))" if new_value is not None else ""))
+    if limit is not None and record.consecutive_skips >= limit:
+        raise _collapse(g, record, skipped, scale, predicted,
+                        f"GradScaler skipped the optimizer step {record.consecutive_skips} times in a row "
+                        f"(max_consecutive_skips={limit})")
+
+
+def _fp32(x: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, predicted: float,
+              what: str) -> LossScaleCollapseError:
+    names = list(record.skipped_in_run) or skipped or ["(no optimizer skipped)"]
+    history = list(record.history)
+    shown = ", ".join(f"{s:g}" for s in history[-12:])
+    message = (
+        f"ampguard: loss-scale collapse: {what}.\n"
+        f"  optimizer(s) whose steps were skipped: {', '.join(names)}\n"
+        f"  loss scale, oldest to newest (last {min(len(history), 12)} updates): {shown}\n"
+        f"  the next scale would be {predicted:g}; at 0 the unscaled gradients become NaN without GradScaler "
+        "noticing, and the parameters turn NaN.\n"
+        "  The parameters are still the last finite ones: nothing was applied from the overflowing steps.\n"
+        "  Likely causes:\n"
+        "    - the forward pass already overflows fp16 (the loss itself is inf/NaN); GradScaler cannot fix that.\n"
+        "      Find the op with ampguard's non-finite tracing or torch.autograd.detect_anomaly.\n"
+        "    - the parameters are already inf/NaN (a bad checkpoint, or an earlier step without a GradScaler).\n"
+        "    - a custom autograd Function or loss that produces inf gradients whatever the scale.\n"
+        "    - a learning rate so high that training diverged.\n"
+        "  Fix: find the overflowing op, or train in bf16 autocast (no GradScaler needed); "
+        "raise max_consecutive_skips only if the scale is still calibrating."
+    )
+    return LossScaleCollapseError(message, optimizers=names, scale_history=history)
+
+
+# -- LRScheduler.step ----------------------------------------------------------------------
+def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    g = _guard.current(FEATURE)
+    if g is None or DEPTH.level("scheduler.step"):
+        # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
+        # or an override's super().step(). The outermost call has decided for all of them.
+        return wrapped(*args, **kwargs)
+    try:
+        hold = _should_hold(g, instance, args, kwargs)
+    except AmpGuardError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+        return wrapped(*args, **kwargs)
+    if hold:
+        g.stats.scheduler_steps_held += 1
+        return None
+    with DEPTH.inside("scheduler.step"):
+        result = wrapped(*args, **kwargs)
+    try:
+        optimizer = getattr(instance, "optimizer", None)
+        opt_record = optimizers(g).get(optimizer) if optimizer is not None else None
+        if opt_record is not None:
+            _snapshots(g).of(instance)[:] = [opt_record.applied, opt_record.skipped]
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return result
+
+
+def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
+    lr_scheduler = sys.modules["torch.optim.lr_scheduler"]
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        return False  # driven by a metric, not by the count of steps
+    if kwargs.get("epoch") is not None or (args and args[0] is not None):
+        return False  # an explicit epoch says where the schedule is; honour it
+    if getattr(scheduler, "_is_initial", False):
+        return False  # the step a scheduler takes in its own constructor
+    optimizer = getattr(scheduler, "optimizer", None)
+    if optimizer is None:
+        return False
+    owner = _pending_owner(g).get(optimizer)
+    scaler = owner() if owner is not None else None
+    if scaler is not None:
+        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
+        _resolve(g, scaler, _scalers(g).of(scaler))
+    opt_record = optimizers(g).get(optimizer)
+    if opt_record is None:
+        return False  # this optimizer never went through a GradScaler
+    applied, skipped = _snapshots(g).get(scheduler) or (0, 0)
+    return opt_record.skipped > skipped and opt_record.applied == applied
+
+
+for _name, _wrapper, _why in (
+    ("step", _scaler_step, "remember which optimizer was stepped and the scaler's found_inf for it"),
+    ("update", _scaler_update, "read found_inf before update() consumes it; count skips; detect collapse"),
+):
+    REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why))
+REGISTRY.add(Target("torch", "torch.optim.lr_scheduler:LRScheduler", "step", _scheduler_step,
+                    "hold the step when GradScaler skipped every optimizer step since the last one"))

@@ -1,0 +1,74 @@
+"""Small, real training loops shared by the tests: GradScaler on CPU, overflow from a backward hook."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Overflow:
+    """Turns a parameter's gradient into inf on chosen iterations, as a real fp16 overflow does."""
+
+    def __init__(self, param: torch.Tensor, iterations=()) -> None:
+        self.iterations = set(iterations)
+        self.i = -1
+        param.register_hook(self)
+
+    def __call__(self, grad: torch.Tensor):
+        return grad * float("inf") if self.i in self.iterations else None
+
+
+def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def lr(opt: torch.optim.Optimizer) -> float:
+    return float(opt.param_groups[0]["lr"])
+
+
+def scaled_loop(make_sched, iterations: int, overflow=(), *, make_opt=None, scaler=None):
+    """Train with a GradScaler; return (lrs after each applied iteration, model, scheduler, scaler)."""
+    m = model()
+    opt = (make_opt or (lambda p: torch.optim.SGD(p, lr=0.1)))(m.parameters())
+    sched = make_sched(opt)
+    scaler = scaler or torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, overflow)
+    lrs = []
+    for i in range(iterations):
+        hook.i = i
+        x, y = data(i)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+        if i not in hook.iterations:
+            lrs.append(lr(opt))
+    return lrs, m, sched, scaler
+
+
+def reference_loop(make_sched, iterations: int, skipped=(), *, make_opt=None):
+    """The same run in which the skipped iterations never happened, without ampguard."""
+    m = model()
+    opt = (make_opt or (lambda p: torch.optim.SGD(p, lr=0.1)))(m.parameters())
+    sched = make_sched(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    lrs = []
+    for i in range(iterations):
+        if i in set(skipped):
+            continue
+        x, y = data(i)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+        lrs.append(lr(opt))
+    return lrs, m, sched

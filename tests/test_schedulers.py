@@ -1,0 +1,424 @@
+import pickle
+import warnings
+
+import pytest
+import torch
+from loops import Overflow, data, lr, model, reference_loop, scaled_loop
+from torch.optim import lr_scheduler as S
+
+import ampguard
+
+SKIPS = (0, 3, 4, 9)
+
+
+def one_cycle(opt):
+    return S.OneCycleLR(opt, max_lr=0.5, total_steps=12)
+
+
+def lambda_warmup(opt):
+    return S.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 5))
+
+
+def sequential(opt):
+    return S.SequentialLR(opt, [S.LinearLR(opt, 0.1, total_iters=3), S.ExponentialLR(opt, 0.9)], milestones=[3])
+
+
+def chained(opt):
+    return S.ChainedScheduler([S.LinearLR(opt, 0.1, total_iters=4), S.ExponentialLR(opt, 0.9)])
+
+
+def warm_restarts(opt):
+    return S.CosineAnnealingWarmRestarts(opt, T_0=3, T_mult=2)
+
+
+def epochs(sched):
+    inner = [s.last_epoch for s in getattr(sched, "_schedulers", [])]
+    return [getattr(sched, "last_epoch", None), *inner]
+
+
+def assert_same_run(make_sched, skips, iterations=16, make_opt=None):
+    ampguard.install()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrs, m, sched, _ = scaled_loop(make_sched, iterations, skips, make_opt=make_opt)
+    ref_lrs, ref_m, ref_sched = reference_loop(make_sched, iterations, skips, make_opt=make_opt)
+    assert lrs == ref_lrs
+    assert epochs(sched) == epochs(ref_sched)  # inner schedulers of composites never drift
+    for p, q in zip(m.parameters(), ref_m.parameters(), strict=False):
+        assert torch.equal(p, q)
+    scheduler_warnings = [w for w in caught if "lr_scheduler" in str(w.message) or "Tried to step" in str(w.message)]
+    assert scheduler_warnings == []
+    stats = ampguard.active().stats
+    assert stats.optimizer_steps_skipped == len(skips)
+    assert stats.scheduler_steps_held == len(skips)
+    return sched
+
+
+def test_seed_first_iteration_skipped_one_cycle():
+    sched = assert_same_run(one_cycle, skips=(0,), iterations=12)
+    assert sched.last_epoch == 11
+
+
+def test_without_ampguard_the_seed_problem_is_real():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrs, *_ = scaled_loop(one_cycle, 12, (0,))
+    assert any("before `optimizer.step()`" in str(w.message) for w in caught)
+    assert lrs != reference_loop(one_cycle, 12, (0,))[0]
+
+
+@pytest.mark.parametrize("make_sched", [one_cycle, lambda_warmup, sequential, chained, warm_restarts],
+                         ids=["OneCycleLR", "LambdaLR", "SequentialLR", "ChainedScheduler", "WarmRestarts"])
+def test_skips_at_later_iterations_follow_applied_steps(make_sched):
+    assert_same_run(make_sched, SKIPS, iterations=15)
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_fused_and_foreach_adamw(kind):
+    make_opt = lambda p: torch.optim.AdamW(p, lr=0.01, **{kind: True})  # noqa: E731
+    assert_same_run(lambda_warmup, SKIPS, make_opt=make_opt)
+
+
+def test_fused_adamw_steps_even_when_skipping_so_scale_comparison_is_not_used():
+    # The fused optimizer's step() runs on a skipped iteration; only found_inf tells the truth.
+    ampguard.install()
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=True)
+    called = []
+    opt.register_step_post_hook(lambda *a: called.append(1))
+    sched = lambda_warmup(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    Overflow(m[0].weight, {0}).i = 0
+    scaler.scale(m(data(0)[0]).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    assert called == [1]
+    assert sched.last_epoch == 0
+    assert ampguard.active().stats.scheduler_steps_held == 1
+
+
+def test_two_optimizers_on_one_scaler_with_inf_in_only_one():
+    g = ampguard.install()
+    m1, m2 = model(1), model(2)
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.AdamW(m2.parameters(), lr=0.1)
+    s1, s2 = lambda_warmup(o1), lambda_warmup(o2)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m1[0].weight, {1, 2})
+    for i in range(5):
+        hook.i = i
+        x, _ = data(i)
+        scaler.scale(m1(x).pow(2).mean() + m2(x).pow(2).mean()).backward()
+        scaler.step(o1)
+        scaler.step(o2)
+        scaler.update()
+        s1.step()
+        s2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    assert s1.last_epoch == 3  # two of its five steps were skipped
+    assert s2.last_epoch == 5  # its own steps all applied, although the shared scale backed off
+    assert g.stats.optimizer_steps_skipped == 2
+    assert g.stats.optimizer_steps_applied == 8
+
+
+def test_growth_steps_and_new_scale_are_not_skips():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = lambda_warmup(opt)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    hook = Overflow(m[0].weight, {4})
+    for i in range(8):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        if i == 2:
+            scaler.update(new_scale=1024.0)  # a lower scale, set by hand: not a skip
+        elif i == 3:
+            scaler.update(new_scale=torch.tensor(4096.0))
+        elif i == 4:
+            scaler.update(new_scale=8.0)  # a skipped iteration with a hand-set scale is still a skip
+        else:
+            scaler.update()  # grows every iteration
+        sched.step()
+        opt.zero_grad()
+    assert scaler.get_scale() == 8.0 * 2**3
+    assert g.stats.optimizer_steps_skipped == 1
+    assert sched.last_epoch == 7
+    assert g.stats.loss_scale_max == 65536.0 * 4
+
+
+def test_per_epoch_step_lr_whose_last_batch_overflowed_still_steps():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = S.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, {3, 8, 9, 10, 11})  # epoch 0 ends on an overflow; epoch 2 is all overflow
+    for epoch in range(4):
+        for b in range(4):
+            hook.i = epoch * 4 + b
+            scaler.scale(m(data(hook.i)[0]).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        sched.step()
+    assert sched.last_epoch == 3  # epoch 2 applied no step at all: held once
+    assert g.stats.scheduler_steps_held == 1
+    assert lr(opt) == 0.125
+
+
+def test_reduce_lr_on_plateau_is_never_held():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = S.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, range(4))
+    for i in range(4):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step(1.0)
+    assert lr(opt) == 0.125
+    assert g.stats.scheduler_steps_held == 0
+
+
+def test_warm_restarts_with_explicit_epoch_is_never_held():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = warm_restarts(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, range(3))
+    for i in range(3):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's epoch deprecation warning
+            sched.step(epoch=i + 0.5)
+    assert sched.last_epoch == 2
+    assert g.stats.scheduler_steps_held == 0
+    assert g.stats.optimizer_steps_skipped == 3
+
+
+def test_one_cycle_with_skips_never_steps_past_total_steps():
+    ampguard.install()
+    # 12 total steps, 11 applied iterations after the constructor's step, plus 4 skips.
+    _lrs, _, sched, _ = scaled_loop(one_cycle, 11 + len(SKIPS), SKIPS)
+    assert sched.last_epoch == 11
+    with pytest.raises(ValueError, match="Tried to step"):
+        scaled_loop(one_cycle, 11 + len(SKIPS), ())  # without skips the same loop overruns
+
+
+def test_scheduler_step_before_scaler_update_is_decided_from_the_same_step():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = lambda_warmup(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, {0, 2})
+    for i in range(4):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        sched.step()
+        scaler.update()
+        opt.zero_grad()
+    assert sched.last_epoch == 2
+    assert g.stats.optimizer_steps_skipped == 2
+
+
+def test_schedulers_without_a_scaler_are_untouched():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = lambda_warmup(opt)
+    for i in range(3):
+        m(data(i)[0]).sum().backward()
+        opt.step()
+        sched.step()
+    assert sched.last_epoch == 3
+    assert g.stats.optimizer_steps_applied == 0 and g.stats.scheduler_steps_held == 0
+
+
+class _CountSyncs(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_at_most_one_added_sync_per_iteration_and_none_without_a_scaler(with_scaler):
+    def iteration(m, opt, scaler, sched):
+        loss = m(data(0)[0]).sum()
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        sched.step()
+
+    counts = []
+    for installed in (False, True):
+        if installed:
+            ampguard.install()
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=True)
+        sched = lambda_warmup(opt)
+        scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+        with _CountSyncs() as mode:
+            iteration(m, opt, scaler, sched)
+        counts.append(mode.syncs)
+    assert counts[1] - counts[0] == (1 if with_scaler else 0)
+
+
+def test_loss_scale_collapse_raises_before_any_parameter_is_non_finite():
+    ampguard.install(max_consecutive_skips=5)
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, range(100))
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        for i in range(100):
+            hook.i = i
+            scaler.scale(m(data(i)[0]).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert hook.i == 4
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=False))
+    err = info.value
+    assert err.optimizers == ["AdamW#0"]
+    assert err.scale_history == [65536.0, 32768.0, 16384.0, 8192.0, 4096.0]
+    assert "5 times in a row" in str(err) and "AdamW#0" in str(err) and "Likely causes" in str(err)
+
+
+def test_loss_scale_never_reaches_zero_even_without_a_skip_limit():
+    ampguard.install(max_consecutive_skips=None)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-120)
+    hook = Overflow(m[0].weight, range(100))
+    with pytest.raises(ampguard.LossScaleCollapseError, match="would become"):
+        for i in range(100):
+            hook.i = i
+            scaler.scale(m(data(i)[0]).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() > 0
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_new_scale_zero_is_refused():
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(m(data(0)[0]).sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(ampguard.LossScaleCollapseError, match="update\\(new_scale"):
+        scaler.update(new_scale=0.0)
+    assert scaler.get_scale() == 65536.0
+
+
+def test_default_skip_limit_survives_a_normal_calibration():
+    g = ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, range(16))  # 65536 down to 1
+    for i in range(20):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert g.stats.optimizer_steps_skipped == 16
+    assert g.options.max_consecutive_skips == 32
+
+
+def _subclass_check(cls):
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = cls(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, {0, 1})
+    for i in range(4):
+        hook.i = i
+        scaler.scale(m(data(i)[0]).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    return sched
+
+
+class DefinedBeforeInstall(S.LambdaLR):
+    def __init__(self, opt):
+        self.calls = 0
+        super().__init__(opt, lambda s: 1.0)
+
+    def step(self, epoch=None):
+        self.calls += 1
+        super().step(epoch)
+
+
+def test_user_subclass_overriding_step_defined_before_and_after_install():
+    ampguard.install()
+
+    class DefinedAfterInstall(S.LRScheduler):  # does not call super().step()
+        def __init__(self, opt):
+            self.calls = 0
+            super().__init__(opt)
+
+        def get_lr(self):
+            return [g["lr"] for g in self.optimizer.param_groups]
+
+        def step(self, epoch=None):
+            self.calls += 1
+            self.last_epoch += 1
+
+    for cls in (DefinedBeforeInstall, DefinedAfterInstall):
+        sched = _subclass_check(cls)
+        assert sched.calls == 3  # constructor's step + 2 applied iterations
+        assert sched.last_epoch == 2
+    assert ampguard.active().stats.scheduler_steps_held == 4
+    ampguard.uninstall()
+    assert not hasattr(vars(DefinedAfterInstall)["step"], "__wrapped__")
+    assert not hasattr(vars(DefinedBeforeInstall)["step"], "__wrapped__")
+
+
+def test_state_dicts_and_pickling_are_unchanged():
+    def states():
+        _lrs, _m, sched, scaler = scaled_loop(lambda_warmup, 6, (2,))
+        opt = sched.optimizer
+        return sched.state_dict(), scaler.state_dict(), opt.state_dict(), pickle.dumps(scaler)
+
+    plain = states()
+    ampguard.install()
+    guarded = states()
+    sd_keys = lambda d: sorted(k for k in d if k != "lr_lambdas")  # noqa: E731
+    assert sd_keys(plain[0]) == sd_keys(guarded[0])
+    assert plain[1].keys() == guarded[1].keys()
+    assert plain[2]["param_groups"][0].keys() == guarded[2]["param_groups"][0].keys()
+    assert pickle.loads(guarded[3]).get_scale() == pickle.loads(plain[3]).get_scale()
+
+
+def test_disabled_option_leaves_schedulers_alone():
+    ampguard.install(schedulers=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaled_loop(one_cycle, 6, (0,))
+    assert any("before `optimizer.step()`" in str(w.message) for w in caught)
