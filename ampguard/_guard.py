@@ -104,19 +104,19 @@ class Guard:
         self.options = options
         self.stats = Stats()
         self._disabled: set[str] = set()  # features switched off after an internal failure
-        self._state: dict[str, ObjectState[Any]] = {}
+        self._state: dict[str, Any] = {}
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
 
     def enabled(self, feature: str) -> bool:
         return bool(getattr(self.options, feature)) and feature not in self._disabled
 
-    def state(self, kind: str, factory: Callable[[Any], Any]) -> ObjectState[Any]:
-        """The Guard-owned weak map for one kind of per-object state."""
-        table = self._state.get(kind)
-        if table is None:
-            table = self._state[kind] = ObjectState(factory)
-        return table
+    def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
+        """The state one feature keeps for this Guard (its weak maps), created on first use."""
+        state = self._state.get(feature)
+        if state is None:
+            state = self._state[feature] = factory()
+        return state
 
     def name_of(self, obj: Any) -> str:
         """A stable, readable name for an object in messages: ``AdamW#0``."""

@@ -57,30 +57,37 @@ class ScalerRecord:
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
 
 
+class _Tables:
+    """This feature's per-object state, owned by one Guard."""
+
+    def __init__(self) -> None:
+        self.optimizers: _guard.ObjectState[OptimizerRecord] = _guard.ObjectState(lambda _: OptimizerRecord())
+        self.scalers: _guard.ObjectState[ScalerRecord] = _guard.ObjectState(lambda _: ScalerRecord())
+        # (applied, skipped) of the scheduler's optimizer at the scheduler's last executed step
+        self.snapshots: _guard.ObjectState[list] = _guard.ObjectState(lambda _: [0, 0])
+        # optimizer -> the scaler whose step() for it is not yet read
+        self.pending_owner: _guard.ObjectState[weakref.ref] = _guard.ObjectState(weakref.ref)
+
+
+def tables(g: Guard) -> _Tables:
+    return g.feature_state(FEATURE, _Tables)
+
+
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
-    return g.state("optimizers", lambda _: OptimizerRecord())
-
-
-def _scalers(g: Guard) -> _guard.ObjectState[ScalerRecord]:
-    return g.state("scalers", lambda _: ScalerRecord())
-
-
-def _snapshots(g: Guard) -> _guard.ObjectState[list]:
-    # (applied, skipped) of the scheduler's optimizer at the scheduler's last executed step.
-    return g.state("scheduler_snapshots", lambda _: [0, 0])
-
-
-def _pending_owner(g: Guard) -> _guard.ObjectState[weakref.ref]:
-    return g.state("pending_scaler_of_optimizer", weakref.ref)
+    return tables(g).optimizers
 
 
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.level("scaler.step"):
+    depth = DEPTH.counts
+    if g is None or depth.get("scaler.step"):
         return wrapped(*args, **kwargs)
-    with DEPTH.inside("scaler.step"):
+    depth["scaler.step"] = 1
+    try:
         result = wrapped(*args, **kwargs)
+    finally:
+        depth["scaler.step"] = 0
     try:
         if getattr(instance, "_enabled", False):
             optimizer = args[0] if args else kwargs["optimizer"]
@@ -95,18 +102,21 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
     found = list(state["found_inf_per_device"].values()) if state else []
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
-    record = _scalers(g).of(scaler)
-    record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
+    record = tables(g).scalers.of(scaler)
+    if record.pending:
+        record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
     record.pending.append(_PendingStep(weakref.ref(optimizer), found))
-    _pending_owner(g).set(optimizer, weakref.ref(scaler))
+    tables(g).pending_owner.set(optimizer, weakref.ref(scaler))
 
 
 # -- GradScaler.update ---------------------------------------------------------------------
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.level("scaler.update") or not getattr(instance, "_enabled", False):
+    depth = DEPTH.counts
+    if g is None or depth.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
-    with DEPTH.inside("scaler.update"):
+    depth["scaler.update"] = 1
+    try:
         try:
             new_scale = args[0] if args else kwargs.get("new_scale")
             _before_update(g, instance, new_scale)
@@ -115,6 +125,8 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         except Exception as exc:
             internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
+    finally:
+        depth["scaler.update"] = 0
 
 
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> float | None:
@@ -129,17 +141,19 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         return None
     scale = scaler._scale
     device = scale.device
-    parts = [_sum_to(p.found_inf, device) for p in pending]
-    parts.append(scale.detach().reshape(()).float())
+    flat = [t if t.device == device else t.to(device, non_blocking=True) for p in pending for t in p.found_inf]
+    flat.append(scale)
     if extra is not None:
-        parts.append(extra.detach().to(device).reshape(()).float())
-    values = torch.stack(parts).tolist()  # the one host-device sync of this iteration
-    if pending:
-        record.iteration_scale = values[len(pending)]
+        flat.append(extra.detach().to(device=device, dtype=scale.dtype).reshape(()))
+    values = torch.stack(flat).tolist()  # the one host-device sync of this iteration
     stats = g.stats
     table = optimizers(g)
-    owners = _pending_owner(g)
-    for p, found in zip(pending, values, strict=False):
+    owners = tables(g).pending_owner
+    i = 0
+    for p in pending:
+        n = len(p.found_inf)
+        found = sum(values[i:i + n])
+        i += n
         optimizer = p.optimizer()
         if optimizer is None:
             continue
@@ -152,20 +166,15 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         else:
             opt_record.applied += 1
             stats.optimizer_steps_applied += 1
+    if pending:
+        record.iteration_scale = values[i]
     return values[-1] if extra is not None else None
-
-
-def _sum_to(tensors: list[Any], device: Any) -> Any:
-    total = tensors[0].to(device, non_blocking=True).reshape(()).float()
-    for t in tensors[1:]:
-        total = total + t.to(device, non_blocking=True).reshape(())
-    return total
 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     import torch
 
-    record = _scalers(g).of(scaler)
+    record = tables(g).scalers.of(scaler)
     tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
     new_value = _resolve(g, scaler, record, tensor_new_scale)
     if new_value is None and new_scale is not None and not isinstance(new_scale, torch.Tensor):
@@ -236,7 +245,8 @@ def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, 
 # -- LRScheduler.step ----------------------------------------------------------------------
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.level("scheduler.step"):
+    depth = DEPTH.counts
+    if g is None or depth.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
@@ -250,13 +260,16 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    with DEPTH.inside("scheduler.step"):
+    depth["scheduler.step"] = 1
+    try:
         result = wrapped(*args, **kwargs)
+    finally:
+        depth["scheduler.step"] = 0
     try:
         optimizer = getattr(instance, "optimizer", None)
         opt_record = optimizers(g).get(optimizer) if optimizer is not None else None
         if opt_record is not None:
-            _snapshots(g).of(instance)[:] = [opt_record.applied, opt_record.skipped]
+            tables(g).snapshots.of(instance)[:] = [opt_record.applied, opt_record.skipped]
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return result
@@ -273,15 +286,15 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
     optimizer = getattr(scheduler, "optimizer", None)
     if optimizer is None:
         return False
-    owner = _pending_owner(g).get(optimizer)
+    owner = tables(g).pending_owner.get(optimizer)
     scaler = owner() if owner is not None else None
     if scaler is not None:
         # scheduler.step() before scaler.update(): decide now, from the same found_inf.
-        _resolve(g, scaler, _scalers(g).of(scaler))
+        _resolve(g, scaler, tables(g).scalers.of(scaler))
     opt_record = optimizers(g).get(optimizer)
     if opt_record is None:
         return False  # this optimizer never went through a GradScaler
-    applied, skipped = _snapshots(g).get(scheduler) or (0, 0)
+    applied, skipped = tables(g).snapshots.get(scheduler) or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied
 
 
