@@ -7,6 +7,7 @@ scale that collapses stops the run before the parameters turn NaN.
 
 from __future__ import annotations
 
+from . import lightning as _lightning  # noqa: F401  (declares its patch targets; imports no Lightning)
 from . import schedulers as _schedulers  # noqa: F401  (declares its patch targets)
 from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError
 from ._guard import Guard, Stats, active, guard, install, uninstall

@@ -128,6 +128,15 @@ _spec(
     "The scale also may never reach 0, whatever this says.",
 )
 
+_spec(
+    "closures",
+    True,
+    "True or False (env: 1/0, true/false, yes/no, on/off)",
+    _check_bool,
+    _env_bool,
+    "Give a Lightning optimizer_step override that forgot optimizer_closure the closure, and warn once.",
+)
+
 _RUNTIME_KEYS: tuple[str, ...] = ()  # AMPGUARD_* switches that are not guard options
 
 
@@ -137,6 +146,7 @@ class Options:
 
     schedulers: bool = True
     max_consecutive_skips: int | None = 32
+    closures: bool = True
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **validate(changes))

@@ -19,11 +19,14 @@ import logging
 import pkgutil
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import wrapt
+
+from ._errors import AmpGuardWarning
 
 log = logging.getLogger("ampguard")
 
@@ -39,6 +42,8 @@ class Target:
     name: str  # the method name on the base class and on overriding subclasses
     wrapper: Callable[..., Any]  # wrapt signature: wrapper(wrapped, instance, args, kwargs)
     why: str
+    # accept(cls, original) -> None to wrap, or the reason to leave this class's method untouched
+    accept: Callable[[type, Any], str | None] | None = None
 
 
 @dataclasses.dataclass
@@ -129,6 +134,8 @@ class Registry:
                 for target in self._targets:
                     if target.module == module.__name__:
                         self._apply(target)
+        except AmpGuardWarning:
+            raise
         except Exception as exc:
             _report_failure(f"patching {getattr(module, '__name__', module)}", exc)
 
@@ -166,6 +173,11 @@ class Registry:
         if target.name not in vars(cls):
             return
         original = vars(cls)[target.name]
+        if target.accept is not None:
+            reason = target.accept(cls, original)
+            if reason is not None:
+                _warn_untouched(cls, target, reason)
+                return
         replacement = wrapt.FunctionWrapper(original, target.wrapper)
         setattr(cls, target.name, replacement)
         self._records[key] = _Record(weakref.ref(cls), target.name, original, replacement)
@@ -200,6 +212,8 @@ class Registry:
                 for target, base in self._bases:
                     if issubclass(cls, base):
                         self._wrap(cls, target)
+        except AmpGuardWarning:
+            raise  # the user turned ampguard's warnings into errors
         except Exception as exc:
             _report_failure(f"patching subclass {cls.__qualname__}", exc)
 
@@ -214,6 +228,18 @@ def _walk(base: type) -> Iterator[type]:
         seen.add(id(cls))
         yield cls
         stack.extend(type.__subclasses__(cls))
+
+
+_untouched_warned: set[tuple[int, str]] = set()
+
+
+def _warn_untouched(cls: type, target: Target, reason: str) -> None:
+    if (id(cls), target.name) in _untouched_warned:
+        return
+    _untouched_warned.add((id(cls), target.name))
+    log.warning("ampguard leaves %s.%s untouched: %s", cls.__qualname__, target.name, reason)
+    warnings.warn(f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}", AmpGuardWarning,
+                  stacklevel=2)
 
 
 def _report_failure(what: str, exc: BaseException) -> None:

@@ -1,0 +1,248 @@
+"""Lightning: inject the closure an ``optimizer_step`` override forgot, and ``AmpGuardCallback``.
+
+Patch target: ``LightningModule.optimizer_step`` and every override, in ``lightning.pytorch``
+and ``pytorch_lightning``, applied when the program imports either. The override receives
+
+- ``optimizer_closure``: Lightning's closure, run at most once by the override's own calls
+  (calls made by the optimizer inside ``step()`` re-evaluate, as LBFGS needs);
+- ``optimizer``: a transparent proxy whose ``step()`` without a closure gets that closure.
+
+So ``optimizer.step()`` runs ``training_step`` once and applies the step;
+``optimizer_closure(); optimizer.step()`` hands the step the cached result (under 16-mixed the
+GradScaler then really steps); a hook that runs neither has its closure run afterwards, so
+``training_step`` runs and Lightning does not crash. ``optimizer.step(closure=optimizer_closure)``
+is unchanged. Each case counts in ``Guard.stats.closures_injected`` and warns once per class.
+
+Importing this module does not import Lightning; ``AmpGuardCallback`` does, on first access.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from typing import Any
+
+import wrapt
+
+from . import _guard
+from ._errors import AmpGuardWarning
+from ._guard import DEPTH, internal_failure
+from ._patching import REGISTRY, Target
+
+FEATURE = "closures"
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+_FIX = "pass the closure: optimizer.step(closure=optimizer_closure)"
+
+
+class _HookClosure:
+    """Lightning's closure as the override sees it."""
+
+    def __init__(self, closure: Any) -> None:
+        self._closure = closure
+        self.ran = False  # the real closure ran at least once during this hook call
+        self.fresh = False  # a result from the override's own call that no step has used yet
+        self.in_step = 0
+        self.result: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.in_step:
+            if self.fresh:
+                self.fresh = False
+                return self.result
+        elif self.ran:
+            return self.result  # the override's own calls run training_step at most once
+        self.result = self._closure(*args, **kwargs)
+        self.fresh = not self.in_step
+        self.ran = True
+        return self.result
+
+
+class _StepInjector(wrapt.ObjectProxy):
+    """The optimizer as the override sees it: ``step()`` without a closure gets Lightning's."""
+
+    def __init__(self, optimizer: Any, closure: _HookClosure) -> None:
+        super().__init__(optimizer)
+        self._self_closure = closure
+        self._self_injected: list[tuple[str, str, int]] = []  # (case, file, line)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        hook_closure = self._self_closure
+        if closure is None:
+            caller = sys._getframe(1)
+            case = "ran-then-step" if hook_closure.fresh else "step-without-closure"
+            self._self_injected.append((case, caller.f_code.co_filename, caller.f_lineno))
+            closure = hook_closure
+        hook_closure.in_step += 1
+        try:
+            return self.__wrapped__.step(closure=closure, **kwargs)
+        finally:
+            hook_closure.in_step -= 1
+
+
+def _split(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """(optimizer, closure, rebuild) from the way Lightning 2.x calls the hook."""
+    if len(args) >= 4:
+        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
+            return (*args[:2], opt, clo, *args[4:]), kwargs
+        return args[2], args[3], rebuild
+    if len(args) == 3 and "optimizer_closure" in kwargs:
+        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
+            return (*args[:2], opt), {**kwargs, "optimizer_closure": clo}
+        return args[2], kwargs["optimizer_closure"], rebuild
+    if "optimizer" in kwargs and "optimizer_closure" in kwargs:
+        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
+            return args, {**kwargs, "optimizer": opt, "optimizer_closure": clo}
+        return kwargs["optimizer"], kwargs["optimizer_closure"], rebuild
+    return None, None, None
+
+
+def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    g = _guard.current(FEATURE)
+    depth = DEPTH.counts
+    if g is None or depth.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
+        return wrapped(*args, **kwargs)
+    try:
+        optimizer, closure, rebuild = _split(args, kwargs)
+        if optimizer is None or not callable(closure):
+            return wrapped(*args, **kwargs)
+        hook_closure = _HookClosure(closure)
+        proxy = _StepInjector(optimizer, hook_closure)
+        new_args, new_kwargs = rebuild(proxy, hook_closure)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+        return wrapped(*args, **kwargs)
+    depth["optimizer_step"] = 1
+    try:
+        result = wrapped(*new_args, **new_kwargs)
+    finally:
+        depth["optimizer_step"] = 0
+    events = list(proxy._self_injected)
+    if not hook_closure.ran:
+        hook_closure()  # neither step nor closure: run training_step so Lightning gets its result
+        code = getattr(wrapped, "__code__", None)
+        events.append(("no-step", code.co_filename if code else "?", code.co_firstlineno if code else 0))
+    if events:
+        g.stats.closures_injected += len(events)
+        _warn_once(g, type(instance), *events[0])
+    return result
+
+
+_MESSAGES = {
+    "step-without-closure": (
+        "{cls}.optimizer_step called optimizer.step() without the closure. Lightning 2.x would stop with "
+        "\"The closure hasn't been executed\"; ampguard passed the closure, so training_step ran once and the "
+        "step was applied."),
+    "ran-then-step": (
+        "{cls}.optimizer_step called optimizer_closure() and then optimizer.step() without it. Under 16-mixed "
+        "this silently never updates the weights; ampguard gave the step the closure's result, so the step "
+        "was applied."),
+    "no-step": (
+        "{cls}.optimizer_step returned without calling optimizer.step() or optimizer_closure(). ampguard ran "
+        "the closure so training_step ran and Lightning does not crash, but no optimizer step was taken: "
+        "gradients accumulate."),
+}
+
+
+def _warn_once(g: _guard.Guard, cls: type, case: str, filename: str, lineno: int) -> None:
+    warned = g.feature_state("closures_warned", set)
+    if cls in warned:
+        return
+    warned.add(cls)
+    message = _MESSAGES[case].format(cls=cls.__qualname__) + f" Fix ({filename}:{lineno}): {_FIX}."
+    warnings.warn_explicit(message, AmpGuardWarning, filename, lineno, module=cls.__module__)
+
+
+def _accept(cls: type, function: Any) -> str | None:
+    """Leave a hook whose signature Lightning 2.x cannot call untouched, with the reason."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())[1:]  # drop self
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    old_form = len(required) > 4 or (len(positional) >= 4 and positional[3].name == "optimizer_idx")
+    if old_form:
+        return (f"its signature {signature} is Lightning 1.x's; Lightning 2.x calls "
+                "optimizer_step(epoch, batch_idx, optimizer, optimizer_closure). Update the signature and "
+                f"{_FIX}.")
+    if len(positional) < 4 and not any(p.kind is p.VAR_KEYWORD for p in params):
+        return f"its signature {signature} cannot receive the optimizer_closure that Lightning passes."
+    return None
+
+
+for _namespace in NAMESPACES:
+    REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "optimizer_step", _optimizer_step,
+                        "give an override that forgot the closure a closure-injecting optimizer", _accept))
+
+
+# -- AmpGuardCallback ------------------------------------------------------------------
+def _callback_bases() -> tuple[type, ...]:
+    import importlib.util
+
+    bases = []
+    for namespace in NAMESPACES:
+        if namespace in sys.modules or importlib.util.find_spec(namespace.partition(".")[0]) is not None:
+            bases.append(importlib.import_module(f"{namespace}.callbacks").Callback)
+    if not bases:
+        raise ImportError("ampguard.lightning.AmpGuardCallback needs lightning or pytorch-lightning installed")
+    return tuple(bases)
+
+
+def _make_callback_class() -> type:
+    bases = _callback_bases()
+
+    class AmpGuardCallback(*bases):  # type: ignore[misc]
+        """Installs ampguard for the fit and logs its counters through the module's loggers.
+
+        A Callback of every installed Lightning namespace, so ``lightning`` and
+        ``pytorch_lightning`` Trainers both accept it. If a guard is already installed it is
+        used as it is and left installed at teardown.
+        """
+
+        def __init__(self, **options: Any) -> None:
+            from ._options import validate
+
+            super().__init__()
+            self.options = validate(options)
+            self._owns_guard = False
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            from . import active, install
+
+            if active() is None:
+                install(**self.options)
+                self._owns_guard = True
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            g = _guard.active()
+            if g is None:
+                return
+            s = g.stats
+            metrics = {"ampguard/optimizer_steps_skipped": float(s.optimizer_steps_skipped),
+                       "ampguard/scheduler_steps_held": float(s.scheduler_steps_held)}
+            if s.loss_scale is not None:
+                metrics["ampguard/loss_scale"] = float(s.loss_scale)
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            from . import uninstall
+
+            if self._owns_guard:
+                uninstall()
+                self._owns_guard = False
+
+    AmpGuardCallback.__module__ = __name__
+    return AmpGuardCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AmpGuardCallback":
+        cls = _make_callback_class()
+        globals()["AmpGuardCallback"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,23 @@
+"""Every example runs on CPU and shows what it claims."""
+
+import pathlib
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_scheduler_skip_example(python):
+    proc = python(None, str(EXAMPLES / "scheduler_skip.py"))
+    assert proc.returncode == 0, proc.stderr
+    assert "plain torch warned: Detected call of `lr_scheduler.step()`" in proc.stdout
+    assert "2 steps skipped, 2 scheduler steps held; no warning." in proc.stdout
+
+
+def test_lightning_warmup_example(python):
+    pytest.importorskip("lightning.pytorch")
+    proc = python(None, str(EXAMPLES / "lightning_warmup.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training_step ran 40 times for 40 optimizer steps" in proc.stdout
+    assert "closures injected by ampguard: 40" in proc.stdout
+    assert "optimizer.step(closure=optimizer_closure)" in proc.stderr

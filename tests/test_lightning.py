@@ -1,0 +1,276 @@
+"""Real Trainer.fit on CPU, tiny models, in both Lightning namespaces."""
+
+import importlib
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import ampguard
+
+NAMESPACES = [pytest.param(ns, id=ns) for ns in ("lightning.pytorch", "pytorch_lightning")]
+BATCHES = 4
+
+
+@pytest.fixture(params=NAMESPACES)
+def L(request):
+    return pytest.importorskip(request.param)
+
+
+def loader():
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(BATCHES * 8, 4, generator=g)), batch_size=8)
+
+
+def module_class(L, optimizer_step=None, opt="sgd", sched=False, overflow=()):
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.training_steps = 0
+            if overflow:
+                self.layer.weight.register_hook(
+                    lambda grad: grad * float("inf") if self.training_steps - 1 in overflow else None)
+
+        def training_step(self, batch, batch_idx):
+            self.training_steps += 1
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            if opt == "lbfgs":
+                return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            if not sched:
+                return optimizer
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        if optimizer_step is not None:  # in the class body, as users write it
+            locals()["optimizer_step"] = optimizer_step
+
+    return Model
+
+
+def warmup_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+    """The seed report: LR warm-up, then optimizer.step() without the closure."""
+    for group in optimizer.param_groups:
+        group["lr"] = 0.1 * min(1.0, (self.trainer.global_step + 1) / 10)
+    optimizer.step()
+
+
+def closure_then_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+    optimizer_closure()
+    optimizer.step()
+
+
+def correct_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+    optimizer.step(closure=optimizer_closure)
+
+
+def nothing_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+    pass
+
+
+def fit(L, model, callbacks=(), plugins=None, **kwargs):
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=list(callbacks),
+                        plugins=plugins, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader())
+    ours = [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    return trainer, ours
+
+
+def scaler_plugin(L, init_scale=2.0**16):
+    precision = importlib.import_module(f"{L.__name__}.plugins.precision")
+    return precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+def test_seed_warmup_override_without_closure_trains(L):
+    Model = module_class(L, warmup_step)  # defined before install()
+    g = ampguard.install()
+    model = Model()
+    before = model.layer.weight.detach().clone()
+    _, ours = fit(L, model)
+    assert model.training_steps == BATCHES
+    assert not torch.equal(before, model.layer.weight)
+    assert g.stats.closures_injected == BATCHES
+    assert len(ours) == 1
+    message = str(ours[0].message)
+    assert "Model.optimizer_step called optimizer.step() without the closure" in message
+    assert "optimizer.step(closure=optimizer_closure)" in message
+    assert ours[0].filename == __file__ and ours[0].lineno == warmup_step.__code__.co_firstlineno + 4
+
+
+def test_seed_override_crashes_without_ampguard(L):
+    model = module_class(L, warmup_step)()
+    with pytest.raises(Exception, match="closure hasn't been executed"):
+        fit(L, model)
+
+
+def test_closure_then_step_under_a_grad_scaler_applies_the_step(L):
+    Model = module_class(L, closure_then_step)
+    plain = Model()
+    before = plain.layer.weight.detach().clone()
+    fit(L, plain, plugins=[scaler_plugin(L)])
+    assert torch.equal(before, plain.layer.weight)  # the silent failure this fixes
+
+    g = ampguard.install()
+    model = Model()
+    _, ours = fit(L, model, plugins=[scaler_plugin(L)])
+    assert model.training_steps == BATCHES
+    assert not torch.equal(before, model.layer.weight)
+    assert g.stats.closures_injected == BATCHES
+    # every step went through the scaler; the first ones may be its normal fp16 calibration skips
+    assert g.stats.optimizer_steps_applied + g.stats.optimizer_steps_skipped == BATCHES
+    assert g.stats.optimizer_steps_applied >= 1
+    assert len(ours) == 1 and "called optimizer_closure() and then optimizer.step()" in str(ours[0].message)
+
+
+def test_correct_override_is_unchanged_and_silent(L):
+    g = ampguard.install()
+    model = module_class(L, correct_step)()
+    reference = module_class(L, correct_step)()
+    _, ours = fit(L, model)
+    ampguard.uninstall()
+    fit(L, reference)
+    assert ours == [] and g.stats.closures_injected == 0
+    assert model.training_steps == BATCHES
+    assert torch.equal(model.layer.weight, reference.layer.weight)
+
+
+def test_lbfgs_still_re_evaluates_the_closure(L):
+    g = ampguard.install()
+    model = module_class(L, correct_step, opt="lbfgs")()
+    _, ours = fit(L, model)
+    assert model.training_steps > BATCHES  # LBFGS called the closure several times per step
+    assert ours == [] and g.stats.closures_injected == 0
+
+
+def test_no_step_and_no_closure_runs_training_step_without_crashing(L):
+    g = ampguard.install()
+    model = module_class(L, nothing_step)()
+    before = model.layer.weight.detach().clone()
+    _, ours = fit(L, model)
+    assert model.training_steps == BATCHES
+    assert torch.equal(before, model.layer.weight)  # no optimizer step was asked for
+    assert g.stats.closures_injected == BATCHES
+    assert len(ours) == 1 and "returned without calling optimizer.step()" in str(ours[0].message)
+
+
+def test_class_defined_after_install_and_option_off(L):
+    ampguard.install()
+    Model = module_class(L, warmup_step)
+    model = Model()
+    _, ours = fit(L, model)
+    assert model.training_steps == BATCHES and len(ours) == 1
+    ampguard.uninstall()
+    ampguard.install(closures=False)
+    with pytest.raises(Exception, match="closure hasn't been executed"):
+        fit(L, Model())
+
+
+def test_uninstall_restores_every_optimizer_step_by_identity(L):
+    Before = module_class(L, warmup_step)
+    original_base = vars(L.LightningModule)["optimizer_step"]
+    original_sub = vars(Before)["optimizer_step"]
+    ampguard.install()
+    After = module_class(L, closure_then_step)
+    original_after = vars(After)["optimizer_step"].__wrapped__
+    assert vars(Before)["optimizer_step"].__wrapped__ is original_sub
+    ampguard.uninstall()
+    assert vars(L.LightningModule)["optimizer_step"] is original_base
+    assert vars(Before)["optimizer_step"] is original_sub
+    assert vars(After)["optimizer_step"] is original_after
+    assert "__init_subclass__" not in vars(L.LightningModule)
+
+
+def test_lightning_1x_signature_is_left_untouched_with_the_reason(L):
+    ampguard.install()
+    with pytest.warns(ampguard.AmpGuardWarning, match="Lightning 1.x's"):
+        class Old(L.LightningModule):
+            def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu,
+                               using_native_amp, using_lbfgs):
+                optimizer.step(closure=optimizer_closure)
+    assert not hasattr(vars(Old)["optimizer_step"], "__wrapped__")
+
+
+def test_keyword_closure_and_kwargs_signatures_are_adapted(L):
+    def kw_step(self, epoch, batch_idx, optimizer, optimizer_closure=None, **kwargs):
+        optimizer.step()
+
+    g = ampguard.install()
+    model = module_class(L, kw_step)()
+    fit(L, model)
+    assert model.training_steps == BATCHES and g.stats.closures_injected == BATCHES
+
+
+def test_fp16_scaler_overflow_holds_the_per_step_scheduler(L):
+    g = ampguard.install()
+    model = module_class(L, sched=True, overflow={0, 2})()
+    trainer, _ = fit(L, model, plugins=[scaler_plugin(L, init_scale=16.0)])  # no natural fp16 overflow
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert g.stats.optimizer_steps_skipped == 2 and g.stats.scheduler_steps_held == 2
+    assert scheduler.last_epoch == BATCHES - 2
+    assert trainer.global_step == BATCHES  # Lightning counts skipped steps; ampguard leaves it alone
+
+
+def test_callback_installs_logs_and_restores(L):
+    from ampguard.lightning import AmpGuardCallback
+
+    callback = AmpGuardCallback(max_consecutive_skips=100)
+    assert isinstance(callback, L.Callback)
+    model = module_class(L, sched=True, overflow={1})()
+    trainer, _ = fit(L, model, callbacks=[callback], plugins=[scaler_plugin(L, init_scale=16.0)])
+    metrics = trainer.callback_metrics
+    assert metrics["ampguard/optimizer_steps_skipped"].item() == 1
+    assert metrics["ampguard/scheduler_steps_held"].item() == 1
+    assert metrics["ampguard/loss_scale"].item() == 8.0
+    assert ampguard.active() is None  # it installed the guard, so it removed it
+
+
+def test_callback_keeps_an_existing_guard(L):
+    from ampguard.lightning import AmpGuardCallback
+
+    g = ampguard.install()
+    fit(L, module_class(L)(), callbacks=[AmpGuardCallback()])
+    assert ampguard.active() is g
+
+
+def test_callback_rejects_bad_options():
+    from ampguard.lightning import AmpGuardCallback
+
+    with pytest.raises(ampguard.ConfigError, match="closures"):
+        AmpGuardCallback(closures="sometimes")
+
+
+def test_ampguard_env_with_a_lightning_script_that_never_imports_ampguard(python, tmp_path):
+    script = tmp_path / "train_lightning.py"
+    script.write_text(textwrap.dedent("""
+        import torch, lightning.pytorch as L
+        from torch.utils.data import DataLoader, TensorDataset
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__(); self.layer = torch.nn.Linear(4, 1); self.n = 0
+            def training_step(self, batch, i):
+                self.n += 1; return self.layer(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+            def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+                optimizer.step()
+        m = Model()
+        L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, accelerator="cpu").fit(
+            m, DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8))
+        print("training steps", m.n)
+    """))
+    proc = python(None, str(script), env={"AMPGUARD": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "training steps 3" in proc.stdout
+    assert "optimizer.step(closure=optimizer_closure)" in proc.stderr
+    plain = python(None, str(script))
+    assert plain.returncode != 0 and "closure hasn't been executed" in plain.stderr
