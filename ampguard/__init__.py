@@ -8,8 +8,9 @@ scale that collapses stops the run before the parameters turn NaN.
 from __future__ import annotations
 
 from . import lightning as _lightning  # noqa: F401  (declares its patch targets; imports no Lightning)
+from . import nonfinite as _nonfinite  # noqa: F401  (declares its patch targets)
 from . import schedulers as _schedulers  # noqa: F401  (declares its patch targets)
-from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError
+from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError, NonFiniteError
 from ._guard import Guard, Stats, active, guard, install, uninstall
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "ConfigError",
     "Guard",
     "LossScaleCollapseError",
+    "NonFiniteError",
     "Stats",
     "__version__",
     "active",

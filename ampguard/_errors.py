@@ -26,3 +26,21 @@ class LossScaleCollapseError(AmpGuardError):
 
 class AmpGuardWarning(UserWarning):
     """Category of every warning ampguard issues (``-W error::ampguard.AmpGuardWarning`` works)."""
+
+
+class NonFiniteError(AmpGuardError, FloatingPointError):
+    """A NaN/Inf reached a sink (the loss, a module output, a gradient, a parameter).
+
+    ``origin`` is the user's stack at the op that first produced the value; ``chain`` the ops
+    from there to the sink. ``str(err)`` is the whole story, written to be read at 2 a.m.
+    """
+
+    def __init__(self, message: str, *, kind: str, sink: str, op: str | None = None, module: str | None = None,
+                 origin=None, chain: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.sink = sink
+        self.op = op
+        self.module = module
+        self.origin = origin
+        self.chain = chain or []

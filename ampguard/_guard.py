@@ -109,7 +109,8 @@ class Guard:
         self._name_counts: dict[str, int] = {}
 
     def enabled(self, feature: str) -> bool:
-        return bool(getattr(self.options, feature)) and feature not in self._disabled
+        value = getattr(self.options, feature)
+        return value not in (False, "off") and feature not in self._disabled
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
         """The state one feature keeps for this Guard (its weak maps), created on first use."""
@@ -163,7 +164,7 @@ def active() -> Guard | None:
 def current(feature: str) -> Guard | None:
     """The active Guard if ``feature`` is on; the cheap check every patch starts with."""
     g = _active
-    if g is not None and feature not in g._disabled and getattr(g.options, feature):
+    if g is not None and feature not in g._disabled and getattr(g.options, feature) not in (False, "off"):
         return g
     return None
 

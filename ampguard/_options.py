@@ -137,6 +137,34 @@ _spec(
     "Give a Lightning optimizer_step override that forgot optimizer_closure the closure, and warn once.",
 )
 
+_nonfinite_check, _nonfinite_env = _choice("raise", "warn", "off")
+_spec(
+    "nonfinite",
+    "raise",
+    "'raise', 'warn' or 'off'",
+    _nonfinite_check,
+    _nonfinite_env,
+    "What to do when a NaN/Inf reaches a sink: raise NonFiniteError, warn once per origin, or not check.",
+)
+_trace_check, _trace_env = _choice("deferred", "eager", "off")
+_spec(
+    "trace",
+    "deferred",
+    "'deferred', 'eager' or 'off'",
+    _trace_check,
+    _trace_env,
+    "How to find the op that created a non-finite value: record ops and walk back when a sink fails "
+    "(deferred), check every op as it runs (eager, slow, for debugging), or only check the sinks (off).",
+)
+_spec(
+    "devices",
+    None,
+    "None (every device) or device types such as ('cuda',) (env: 'cuda,cpu' or 'all')",
+    _check_devices,
+    _env_devices,
+    "Device types whose tensors are watched.",
+)
+
 _RUNTIME_KEYS: tuple[str, ...] = ()  # AMPGUARD_* switches that are not guard options
 
 
@@ -147,6 +175,9 @@ class Options:
     schedulers: bool = True
     max_consecutive_skips: int | None = 32
     closures: bool = True
+    nonfinite: str = "raise"
+    trace: str = "deferred"
+    devices: tuple[str, ...] | None = None
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **validate(changes))

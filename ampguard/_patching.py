@@ -19,6 +19,7 @@ import logging
 import pkgutil
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,12 +39,21 @@ class Target:
     """One patched method: what it wraps, why, and which import triggers it."""
 
     module: str  # the import that triggers the patch, e.g. "torch"
-    owner: str  # "pkg.mod:Class" of the base class, resolved only once `module` is imported
+    owner: str  # "pkg.mod:Class" of the base class (or "pkg.mod" for a function), resolved once imported
     name: str  # the method name on the base class and on overriding subclasses
     wrapper: Callable[..., Any]  # wrapt signature: wrapper(wrapped, instance, args, kwargs)
     why: str
     # accept(cls, original) -> None to wrap, or the reason to leave this class's method untouched
     accept: Callable[[type, Any], str | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A global hook that is not an attribute (torch's optimizer/module hooks): ``on()`` returns ``off``."""
+
+    module: str
+    on: Callable[[], Callable[[], None]]
+    why: str
 
 
 @dataclasses.dataclass
@@ -64,6 +74,8 @@ class Registry:
         self._hooked_bases: dict[int, type] = {}
         self._bases: list[tuple[Target, type]] = []  # targets applied so far, with their base class
         self._import_hooks: set[str] = set()
+        self._switches: list[Switch] = []
+        self._switched_on: dict[int, Callable[[], None]] = {}  # id(switch) -> off
         self.installed = False
 
     # -- declaration -------------------------------------------------------------------
@@ -72,6 +84,10 @@ class Registry:
             self._targets.append(target)
             if self.installed:
                 self._register_import_hook(target.module)
+
+    def add_switch(self, switch: Switch) -> None:
+        with self._lock:
+            self._switches.append(switch)
 
     @property
     def targets(self) -> tuple[Target, ...]:
@@ -83,7 +99,8 @@ class Registry:
             if self.installed:
                 return
             self.installed = True
-            for module in dict.fromkeys(t.module for t in self._targets):
+            modules = [t.module for t in self._targets] + [s.module for s in self._switches]
+            for module in dict.fromkeys(modules):
                 self._register_import_hook(module)
                 if module in sys.modules:  # a hook registered earlier in this process fires no more
                     self._on_import(sys.modules[module])
@@ -93,6 +110,9 @@ class Registry:
             if not self.installed:
                 return
             self.installed = False
+            for off in reversed(list(self._switched_on.values())):
+                off()
+            self._switched_on.clear()
             for record in reversed(list(self._records.values())):
                 cls = record.cls_ref()
                 if cls is None:
@@ -134,6 +154,9 @@ class Registry:
                 for target in self._targets:
                     if target.module == module.__name__:
                         self._apply(target)
+                for switch in self._switches:
+                    if switch.module == module.__name__ and id(switch) not in self._switched_on:
+                        self._switched_on[id(switch)] = switch.on()
         except AmpGuardWarning:
             raise
         except Exception as exc:
@@ -148,7 +171,7 @@ class Registry:
                         self._apply(target)
 
     # -- the hierarchy machinery -------------------------------------------------------
-    def _resolve(self, target: Target) -> type | None:
+    def _resolve(self, target: Target) -> Any:
         module_name = target.owner.partition(":")[0]
         if module_name not in sys.modules:
             log.debug("ampguard: %s is not imported; %s is not patched", module_name, target.owner)
@@ -158,6 +181,9 @@ class Registry:
     def _apply(self, target: Target) -> None:
         base = self._resolve(target)
         if base is None:
+            return
+        if isinstance(base, types.ModuleType):  # a module-level function: no hierarchy to walk
+            self._wrap(base, target)
             return
         self._hook_subclassing(base)
         if not any(t is target for t, _ in self._bases):

@@ -136,6 +136,8 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     """
     import torch
 
+    from . import nonfinite
+
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
@@ -143,6 +145,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     device = scale.device
     flat = [t if t.device == device else t.to(device, non_blocking=True) for p in pending for t in p.found_inf]
     flat.append(scale)
+    # The non-finite sinks waiting for a sync (the loss, module outputs) ride on this same read.
+    sinks = nonfinite.pending_statuses() if _guard.current(nonfinite.FEATURE) else []
+    flat.extend(t.to(device, non_blocking=True) for t in sinks)
     if extra is not None:
         flat.append(extra.detach().to(device=device, dtype=scale.dtype).reshape(()))
     values = torch.stack(flat).tolist()  # the one host-device sync of this iteration
@@ -168,6 +173,8 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
             stats.optimizer_steps_applied += 1
     if pending:
         record.iteration_scale = values[i]
+    if sinks:
+        nonfinite.finish(g, values[i + 1:i + 1 + len(sinks)])  # may raise NonFiniteError
     return values[-1] if extra is not None else None
 
 

@@ -147,7 +147,10 @@ def test_import_ampguard_and_install_import_neither_torch_nor_lightning(python):
 
 
 @pytest.mark.parametrize(("options", "fragment"), [
-    ({"bogus": 1}, "unknown option 'bogus'; accepted options: max_consecutive_skips"),
+    ({"bogus": 1}, "unknown option 'bogus'; accepted options: closures, devices, max_consecutive_skips"),
+    ({"trace": "lazy"}, "option 'trace' got 'lazy'; accepted values: 'deferred', 'eager' or 'off'"),
+    ({"nonfinite": True}, "option 'nonfinite' got True; accepted values: 'raise', 'warn' or 'off'"),
+    ({"devices": ("cuda:0",)}, "option 'devices' got ('cuda:0',); accepted values: None (every device)"),
     ({"schedulers": "yes"}, "option 'schedulers' got 'yes'; accepted values: True or False"),
     ({"max_consecutive_skips": 0}, "option 'max_consecutive_skips' got 0; accepted values: a positive integer"),
     ({"max_consecutive_skips": 2.5}, "got 2.5"),

@@ -257,8 +257,11 @@ class _CountSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("with_scaler", [True, False])
-def test_at_most_one_added_sync_per_iteration_and_none_without_a_scaler(with_scaler):
+@pytest.mark.parametrize(("with_scaler", "options", "added"), [
+    (True, {"nonfinite": "off"}, 1), (False, {"nonfinite": "off"}, 0),  # gating alone: none without a scaler
+    (True, {}, 1), (False, {}, 1),  # everything on: still one per step, the sinks share the read
+])
+def test_at_most_one_added_sync_per_iteration(with_scaler, options, added):
     def iteration(m, opt, scaler, sched):
         loss = m(data(0)[0]).sum()
         if scaler:
@@ -273,7 +276,7 @@ def test_at_most_one_added_sync_per_iteration_and_none_without_a_scaler(with_sca
     counts = []
     for installed in (False, True):
         if installed:
-            ampguard.install()
+            ampguard.install(**options)
         m = model()
         opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=True)
         sched = lambda_warmup(opt)
@@ -281,7 +284,7 @@ def test_at_most_one_added_sync_per_iteration_and_none_without_a_scaler(with_sca
         with _CountSyncs() as mode:
             iteration(m, opt, scaler, sched)
         counts.append(mode.syncs)
-    assert counts[1] - counts[0] == (1 if with_scaler else 0)
+    assert counts[1] - counts[0] == added
 
 
 def test_loss_scale_collapse_raises_before_any_parameter_is_non_finite():

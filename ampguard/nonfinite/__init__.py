@@ -1,0 +1,582 @@
+"""NaN/Inf detection: sinks where a non-finite value is an error, and the op that created it.
+
+Sinks (where a NaN/Inf is an error):
+
+1. the loss: the tensor given to ``GradScaler.scale()`` or used as a root of
+   ``torch.autograd.backward`` (``Tensor.backward`` goes through it); NaN or +-Inf;
+2. the output of the outermost module call; NaN only (log-probabilities may be -inf);
+3. gradients at an optimizer step not driven by a GradScaler; checked before the step;
+4. parameters after an optimizer step.
+
+Intermediate values are never errors by themselves (``masked_fill(-inf)`` then softmax is normal).
+
+With ``trace="deferred"`` a TorchFunctionMode is pushed at the outermost module call and popped
+at the loss (backward) or the optimizer step, so backward and ``optimizer.step()`` are never
+traced. Each op records an on-device float32 sum of each floating output (NaN, +Inf and -Inf
+survive a sum), its first user frames, the module running, and which recorded ops produced its
+inputs. The sink statuses are read in one transfer per optimizer step: in the optimizer pre-step
+hook, or in the read that GradScaler.update() already does. Only when one fails are the op
+records read and walked back to the origin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from .. import _guard
+from .._errors import AmpGuardWarning, NonFiniteError
+from .._guard import DEPTH, internal_failure
+from .._patching import REGISTRY, Switch, Target
+from . import _report
+
+FEATURE = "nonfinite"
+MAX_RECORDS = 200_000  # a step that records more stops tracing (and says so) instead of growing
+_INTERNAL_ROOTS: tuple[str, ...] = ()
+_internal_code: dict[Any, bool] = {}
+
+
+def _internal_roots() -> tuple[str, ...]:
+    global _INTERNAL_ROOTS
+    if not _INTERNAL_ROOTS:
+        import importlib.util
+        import sysconfig
+
+        roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sysconfig.get_paths()["stdlib"]]
+        for name in ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+                     "_pytest", "pluggy", "wrapt"):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                roots.extend(spec.submodule_search_locations)
+        _INTERNAL_ROOTS = tuple(os.path.abspath(r) + os.sep for r in roots)
+    return _INTERNAL_ROOTS
+
+
+def _is_internal(code: Any) -> bool:
+    internal = _internal_code.get(code)
+    if internal is None:
+        filename = code.co_filename
+        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots())
+        _internal_code[code] = internal
+    return internal
+
+
+def _user_frames(frame: Any, limit: int = 6, budget: int = 60) -> tuple:
+    out = []
+    while frame is not None and budget and len(out) < limit:
+        code = frame.f_code
+        if not _is_internal(code):
+            out.append((code, frame.f_lineno))
+        frame = frame.f_back
+        budget -= 1
+    return tuple(out)
+
+
+class OpRecord:
+    __slots__ = ("dtype", "frames", "func", "inputs", "module", "ref", "shape", "status", "value")
+
+    def __init__(self, func: Any, frames: tuple, module: Any, inputs: tuple, status: Any, ref: Any,
+                 shape: Any = None, dtype: Any = None) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.func = func
+        self.frames = frames
+        self.module = module
+        self.inputs = inputs
+        self.status = status
+        self.ref = ref
+        self.value: float | None = None  # known in eager mode
+
+
+@dataclasses.dataclass
+class _Pending:
+    sink: str
+    nan_only: bool
+    status: Any  # 0-d float32 tensor
+    tensor: Any  # the sink tensor (strong for the small loss, weak otherwise) or a callable for details
+    record: int | None
+    params: list | None = None  # for gradient/parameter sinks: (name, tensor) pairs
+    hint: str = ""
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.mode: Any = None
+        self.depth = 0
+        self.stack: list = []
+        self.root: Any = None
+        self.records: list[OpRecord] = []
+        self.producer: dict[int, tuple[Any, int]] = {}
+        self.pending: list[_Pending] = []
+        self.scaled: weakref.WeakSet = weakref.WeakSet()
+        self.backward_since_check = False
+        self.full = False
+
+
+T = _ThreadState()
+
+
+def _watched(g: _guard.Guard, tensor: Any) -> bool:
+    devices = g.options.devices
+    return devices is None or tensor.device.type in devices
+
+
+def _status(tensor: Any) -> Any:
+    import torch
+
+    return torch.sum(tensor.detach(), dtype=torch.float32)
+
+
+def _in_worker() -> bool:
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    return worker is not None and worker._worker_info is not None
+
+
+# -- the tracer ----------------------------------------------------------------------------
+def _make_mode() -> Any:
+    import torch
+
+    skip_names = {"__get__", "__set__", "size", "dim", "numel", "item", "tolist", "__repr__", "__format__",
+                  "__bool__", "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride",
+                  "is_floating_point", "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__"}
+
+    class Tracer(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            __tracebackhide__ = True
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "__name__", "") in skip_names:
+                return out
+            g = _guard.current(FEATURE)
+            if g is None or T.full:
+                return out
+            try:
+                _record(g, func, args, kwargs, out)
+            except NonFiniteError:
+                raise
+            except Exception as exc:
+                internal_failure(FEATURE, exc)
+            return out
+
+    return Tracer
+
+
+_Tracer: Any = None
+
+
+def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+    import torch
+
+    outputs = [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)] \
+        if isinstance(out, (tuple, list)) else []
+    outputs = [o for o in outputs if o.is_floating_point() and o.numel() and _watched(g, o)]
+    if not outputs:
+        return
+    producer = T.producer
+    inputs = []
+    unrecorded = []
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                entry = producer.get(id(t))
+                if entry is not None and entry[0]() is t:
+                    inputs.append(entry[1])
+                elif t.is_floating_point():
+                    unrecorded.append(t)
+    records = T.records
+    frames = _user_frames(sys._getframe(2))
+    module = T.stack[-1] if T.stack else None
+    for o in outputs:
+        index = len(records)
+        status = _status(o)
+        ref = weakref.ref(o)
+        record = OpRecord(func, frames, module, tuple(inputs), status, ref, o.shape, o.dtype)
+        records.append(record)
+        producer[id(o)] = (ref, index)
+        if g.options.trace == "eager":
+            _eager_check(g, record, index, unrecorded)
+    if len(records) > MAX_RECORDS:
+        T.full = True
+        warnings.warn(f"ampguard: more than {MAX_RECORDS} ops recorded without a sink check; origin tracing is "
+                      "paused until the next optimizer step", AmpGuardWarning, stacklevel=4)
+
+
+def _eager_check(g: _guard.Guard, record: OpRecord, index: int, unrecorded: list) -> None:
+    import torch
+
+    record.value = value = float(record.status)
+    if value == value:
+        return  # Infs are reported only if they reach a sink
+    records = T.records
+    if any(records[i].value != records[i].value for i in record.inputs):
+        return
+    if any(bool(torch.isnan(t).any()) for t in unrecorded):
+        return
+    values = [r.value if r.value is not None else 0.0 for r in records]
+    _fail(g, _Pending("the output of this op", True, record.status, record.ref(), index), values)
+
+
+def _push_mode(g: _guard.Guard) -> None:
+    global _Tracer
+    if T.mode is not None or g.options.trace == "off" or _in_worker():
+        return
+    if _Tracer is None:
+        _Tracer = _make_mode()
+    mode = _Tracer()
+    mode.__enter__()
+    T.mode = mode
+
+
+def _pop_mode() -> None:
+    import torch
+
+    mode = T.mode
+    if mode is None:
+        return
+    n = torch._C._len_torch_function_stack()
+    if n and torch._C._get_function_stack_at(n - 1) is mode:
+        mode.__exit__(None, None, None)
+        T.mode = None
+
+
+def _clear_records() -> None:
+    T.records = []
+    T.producer = {}
+    T.full = False
+
+
+# -- sinks -----------------------------------------------------------------------------
+def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, keep: bool) -> None:
+    entry = T.producer.get(id(tensor))
+    record = entry[1] if entry is not None and entry[0]() is tensor else None
+    T.pending.append(_Pending(sink, nan_only, _status(tensor), tensor if keep else weakref.ref(tensor), record))
+
+
+def _forward_pre(module: Any, args: Any) -> None:
+    g = _guard.current(FEATURE)
+    if g is None or _in_worker():
+        return
+    try:
+        if T.depth == 0:
+            if T.pending and T.backward_since_check:
+                check(g)  # a backward without an optimizer step since: check its loss now
+            T.root = module
+            _push_mode(g)
+        T.stack.append(module)
+        T.depth += 1
+    except NonFiniteError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+
+
+def _forward_post(module: Any, args: Any, output: Any) -> None:
+    import torch
+
+    g = _guard.current(FEATURE)
+    if g is None or not T.stack or T.stack[-1] is not module:
+        return
+    T.stack.pop()
+    T.depth -= 1
+    if T.depth:
+        return
+    try:
+        outputs = [output] if isinstance(output, torch.Tensor) else (
+            [o for o in output if isinstance(o, torch.Tensor)] if isinstance(output, (tuple, list)) else
+            [o for o in output.values() if isinstance(o, torch.Tensor)] if isinstance(output, dict) else [])
+        for o in outputs:
+            if o.is_floating_point() and o.numel() and _watched(g, o):
+                _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
+        if outputs and not torch.is_grad_enabled():
+            check(g)  # no backward will come (inference): check now
+    except NonFiniteError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+
+
+def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    import torch
+
+    g = _guard.current(FEATURE)
+    if g is None:
+        return wrapped(*args, **kwargs)
+    try:
+        roots = args[0] if args else kwargs.get("tensors")
+        roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+        _pop_mode()
+        for r in roots:
+            if r in T.scaled:
+                continue  # the scaled loss; the loss itself was checked at GradScaler.scale()
+            if r.is_floating_point() and _watched(g, r):
+                _add_tensor_sink(g, "loss", r, nan_only=False, keep=True)
+        T.backward_since_check = True
+        if g.options.trace == "eager":
+            check(g)
+    except NonFiniteError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return wrapped(*args, **kwargs)
+
+
+def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    import torch
+
+    g = _guard.current(FEATURE)
+    out = wrapped(*args, **kwargs)
+    if g is None or not getattr(instance, "_enabled", False):
+        return out
+    try:
+        loss = args[0] if args else kwargs.get("outputs")
+        if isinstance(loss, torch.Tensor) and isinstance(out, torch.Tensor):
+            _add_tensor_sink(g, "loss", loss, nan_only=False, keep=True)
+            T.scaled.add(out)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return out
+
+
+def _params_of(optimizer: Any) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _param_names(params: list) -> dict[int, str]:
+    root = T.root
+    names = {}
+    if root is not None:
+        names = {id(p): n for n, p in root.named_parameters()}
+    return {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(params)}
+
+
+def _optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    import torch
+
+    g = _guard.current(FEATURE)
+    if g is None:
+        return
+    try:
+        _pop_mode()
+        if DEPTH.counts.get("scaler.step"):
+            return  # under a GradScaler non-finite gradients are its business; checked at update()
+        grads = [p.grad for p in _params_of(optimizer) if p.grad is not None]
+        grads = [gr for gr in grads if gr.is_floating_point() and _watched(g, gr)]
+        if grads:
+            norms = torch._foreach_norm([gr.detach() for gr in grads])
+            status = torch.stack([n.float() for n in norms]).sum()
+            params = [p for p in _params_of(optimizer) if p.grad is not None]
+            T.pending.append(_Pending(f"gradients of {g.name_of(optimizer)}", False, status, None, None,
+                                      params=params))
+        check(g)
+    except NonFiniteError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+
+
+def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    import torch
+
+    g = _guard.current(FEATURE)
+    if g is None:
+        return
+    try:
+        params = [p for p in _params_of(optimizer) if p.is_floating_point() and _watched(g, p)]
+        if params:
+            norms = torch._foreach_norm([p.detach() for p in params])
+            status = torch.stack([n.float() for n in norms]).sum()
+            T.pending.append(_Pending(f"parameters of {g.name_of(optimizer)}", False, status, None, None,
+                                      params=params, hint=_eps_hint(optimizer, params)))
+            if g.options.trace == "eager":
+                check(g)
+        if not T.pending:
+            _clear_records()
+    except NonFiniteError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+
+
+def _eps_hint(optimizer: Any, params: list) -> str:
+    import torch
+
+    eps = optimizer.defaults.get("eps")
+    if isinstance(eps, float) and any(p.dtype == torch.float16 for p in params):
+        if float(torch.tensor(eps, dtype=torch.float16)) == 0.0:
+            return (f"The parameters are float16 and {type(optimizer).__name__}'s eps={eps:g} rounds to 0 in float16, "
+                    "so a zero second moment divides 0 by 0. Fix: eps=1e-4 or larger, or keep fp32 master weights "
+                    "and use autocast.")
+    return ""
+
+
+# -- checking ----------------------------------------------------------------------------
+def pending_statuses() -> list:
+    """The statuses waiting for the next sync (GradScaler.update() folds them into its own read)."""
+    return [p.status for p in T.pending]
+
+
+def finish(g: _guard.Guard, values: list[float]) -> None:
+    """Judge the pending sinks with values read elsewhere, in the order they were added."""
+    pending, T.pending = T.pending[:len(values)], T.pending[len(values):]
+    T.backward_since_check = False
+    for p, value in zip(pending, values, strict=True):
+        kind = _report.kind_of(value)
+        if kind is None or (p.nan_only and kind != "nan"):
+            continue
+        _fail(g, p, None)
+        return
+    if not T.pending:
+        _clear_records()
+
+
+def check(g: _guard.Guard) -> None:
+    """One sync for every pending sink; raise or warn for the first that holds a NaN/Inf."""
+    import torch
+
+    if not T.pending:
+        return
+    device = T.pending[0].status.device
+    values = torch.stack([p.status.to(device, non_blocking=True) for p in T.pending]).tolist()
+    finish(g, values)
+
+
+def _fail(g: _guard.Guard, p: _Pending, values: list[float] | None) -> None:
+    import torch
+
+    g.stats.nonfinite_detected += 1
+    T.pending = []
+    T.backward_since_check = False
+    records = T.records
+    try:
+        if values is None and records:
+            values = torch.stack([r.status for r in records]).tolist()  # the failure path's own sync
+        error = _build_error(g, p, records, values or [])
+    finally:
+        _clear_records()
+    if g.options.nonfinite == "warn":
+        warned = g.feature_state("nonfinite_warned", set)
+        key = (error.sink, tuple(error.origin[-1][:2]) if error.origin else None)
+        if key not in warned:
+            warned.add(key)
+            warnings.warn(str(error), AmpGuardWarning, stacklevel=4)
+        return
+    raise error
+
+
+def _sink_kind(p: _Pending, values: list[float]) -> str:
+    if p.record is not None and p.record < len(values):
+        return _report.kind_of(values[p.record]) or "nan"
+    tensor = p.tensor() if isinstance(p.tensor, weakref.ref) else p.tensor
+    if tensor is not None:
+        return _report.kind_of(float(_status(tensor))) or "nan"
+    return _report.kind_of(float(p.status)) or "nan"
+
+
+def _module_path(module: Any) -> str | None:
+    root = T.root
+    if module is None or root is None:
+        return None
+    if module is root:
+        return type(root).__name__
+    for name, m in root.named_modules():
+        if m is module:
+            return name
+    return type(module).__name__
+
+
+def _build_error(g: _guard.Guard, p: _Pending, records: list, values: list[float]) -> NonFiniteError:
+    if p.params is not None:
+        return _param_error(p)
+    kind = _sink_kind(p, values)
+    lines = [f"ampguard: {kind.upper() if kind == 'nan' else kind} reached the {p.sink}."]
+    op = module = origin = None
+    chain: list[str] = []
+    if p.record is not None and values:
+        start, transition, path = _report.walk(records, values, p.record)
+        rec = records[start]
+        op = _report.op_name(rec.func)
+        module = _module_path(rec.module)
+        origin = _report.stack_summary(rec.frames)
+        chain = [_report.op_name(records[i].func) for i in path]
+        origin_kind = _report.kind_of(values[start]) or kind
+        lines.append(f"  It was created by {op} (output {origin_kind}, all inputs finite)"
+                     + (f" in module '{module}'" if module else "") + f" at\n    {_report.site(rec)}")
+        alive = rec.ref()
+        lines.append(f"  value: {_report.describe_tensor(alive)}" if alive is not None else
+                     f"  value: shape {tuple(rec.shape)}, {rec.dtype} (freed before the check: no element counts)")
+        if transition is not None and transition != start:
+            t_rec = records[transition]
+            t_kind = _report.kind_of(values[transition])
+            lines.append(f"  It became {t_kind} in {_report.op_name(t_rec.func)} at\n    {_report.site(t_rec)}")
+        lines.append(f"  path to the sink: {' -> '.join(chain)}")
+        if origin:
+            lines.append("  user stack at the origin (innermost last):")
+            lines.extend("    " + line.rstrip("\n") for line in origin.format())
+    else:
+        reason = "tracing is off" if g.options.trace == "off" else "the value was not produced by a recorded op"
+        lines.append(f"  No origin is known ({reason}); run with trace='eager' (AMPGUARD_TRACE=eager) to stop at "
+                     "the op that creates it.")
+    tensor = p.tensor() if isinstance(p.tensor, weakref.ref) else p.tensor
+    lines.append(f"  {p.sink}: {_report.describe_tensor(tensor)}")
+    lines.append("  Common causes under AMP: log/div of 0 or of a value that saturated in fp16; an activation above "
+                 "65504 in fp16; a collapsing loss scale; Adam's eps rounding to 0 in fp16.")
+    return NonFiniteError("\n".join(lines), kind=kind, sink=p.sink, op=op, module=module, origin=origin, chain=chain)
+
+
+def _param_error(p: _Pending) -> NonFiniteError:
+    import torch
+
+    names = _param_names(p.params)
+    is_grad = p.sink.startswith("gradients")
+    bad = None
+    for param in p.params:
+        t = param.grad if is_grad else param
+        if t is not None and not bool(torch.isfinite(t).all()):
+            bad = (names[id(param)], t)
+            break
+    name, tensor = bad if bad else ("?", None)
+    sink = f"gradient of parameter '{name}'" if is_grad else f"parameter '{name}'"
+    kind = _report.kind_of(float(_status(tensor))) or "nan" if tensor is not None else "nan"
+    when = "before the optimizer step (the step was not taken, the parameters are unchanged)" if is_grad else \
+        "after the optimizer step"
+    lines = [f"ampguard: {kind} in the {sink} {when}.", f"  {sink}: {_report.describe_tensor(tensor)}"]
+    if p.hint:
+        lines.append("  " + p.hint)
+    elif is_grad:
+        lines.append("  The backward pass produced it; the loss was finite. Look for ops with unbounded gradients "
+                     "(sqrt or pow at 0, log near 0, division by a small value).")
+    return NonFiniteError("\n".join(lines), kind=kind, sink=sink)
+
+
+# -- the patch targets -------------------------------------------------------------------
+def _switch_hooks() -> Any:
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    handles: list = []
+    try:
+        handles.append(nn_module.register_module_forward_pre_hook(_forward_pre))
+        handles.append(nn_module.register_module_forward_hook(_forward_post, always_call=True))
+        handles.append(optim_module.register_optimizer_step_pre_hook(_optimizer_pre_step))
+        handles.append(optim_module.register_optimizer_step_post_hook(_optimizer_post_step))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+
+    def off() -> None:
+        for h in handles:
+            h.remove()
+        _pop_mode()
+        T.__init__()
+
+    return off
+
+
+REGISTRY.add_switch(Switch("torch", _switch_hooks, "module and optimizer hooks: scope the tracer, check the sinks"))
+REGISTRY.add(Target("torch", "torch.autograd", "backward", _backward, "the loss sink; stop tracing at backward"))
+REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", _scaler_scale, "the loss sink under AMP"))
