@@ -66,7 +66,7 @@ def _is_internal(code: Any) -> bool:
     return internal
 
 
-def _user_frames(frame: Any, limit: int = 6, budget: int = 60) -> tuple:
+def _user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
     out = []
     while frame is not None and budget and len(out) < limit:
         code = frame.f_code

@@ -1,0 +1,282 @@
+"""NaN/Inf sinks and origin tracing on real models on CPU (fp16/bf16 through autocast)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from loops import Overflow
+
+import ampguard
+from ampguard import nonfinite
+
+
+def hand_written_bce(p, y):
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # LOG LINE
+
+
+class Saturating(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x) * 100)
+
+
+def line_of(func, marker):
+    import inspect
+
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def test_fp16_log_of_a_saturated_sigmoid_names_the_log_line_and_the_nan_transition():
+    ampguard.install()
+    m = Saturating()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), (torch.arange(16) % 2).float().unsqueeze(1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        p = m(x).half()
+        loss = hand_written_bce(p, y)
+    loss.backward()
+    before = [q.detach().clone() for q in m.parameters()]
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    err = info.value
+    assert err.kind == "nan" and err.sink == "loss" and err.op == "torch.log"
+    assert err.origin[-1].filename == __file__
+    assert err.origin[-1].lineno == line_of(hand_written_bce, "LOG LINE")
+    assert "It became nan in Tensor.mul" in str(err)
+    assert err.chain[0] == "torch.log" and "Tensor.mul" in err.chain
+    assert "torch.float16" in str(err)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=False))  # raised before the step
+    assert ampguard.active().stats.nonfinite_detected == 1
+    assert isinstance(err, FloatingPointError)
+
+
+class CausalAttention(torch.nn.Module):
+    def __init__(self, bad_sqrt=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 8)
+        self.bad_sqrt = bad_sqrt
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), diagonal=1)
+        scores = scores.masked_fill(mask, float("-inf"))  # intentional -inf
+        h = self.out(torch.softmax(scores, dim=-1) @ v)
+        if self.bad_sqrt:
+            h = torch.sqrt(h - 10.0)  # SQRT LINE
+        return h
+
+
+def train_attention(model, steps=5):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(steps):
+        x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(i))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_causal_masked_fill_minus_inf_trains_without_error():
+    g = ampguard.install()
+    train_attention(CausalAttention())
+    assert g.stats.nonfinite_detected == 0
+
+
+def test_sqrt_of_a_negative_value_is_the_origin_not_the_mask():
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        train_attention(CausalAttention(bad_sqrt=True))
+    err = info.value
+    assert err.op == "torch.sqrt" and err.kind == "nan"
+    assert err.sink == "output of module 'CausalAttention'"
+    assert err.origin[-1].lineno == line_of(CausalAttention.forward, "SQRT LINE")
+    assert err.module == "CausalAttention"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformer_encoder_with_padding_mask_has_no_false_positive(dtype):
+    g = ampguard.install()
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True, dropout=0.0)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    opt = torch.optim.AdamW(enc.parameters(), lr=1e-3)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 4:] = True
+    pad[2, 1:] = True
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = enc(torch.randn(3, 7, 16), src_key_padding_mask=pad)
+            loss = out.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert g.stats.nonfinite_detected == 0
+
+
+class Inner(torch.nn.Module):
+    def forward(self, x):
+        return x / (x - x)  # 0/0
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(Inner()))
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_nan_in_a_nested_submodule_names_its_dotted_path():
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        Outer()(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(Outer().parameters()).step()
+    assert info.value.module == "block.1.0"
+    assert info.value.op == "Tensor.div"
+
+
+def test_grad_scaler_backward_overflow_is_not_an_error():
+    g = ampguard.install()
+    m = Saturating()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    Overflow(m.fc.weight, {0}).i = 0
+    scaler.scale(m(torch.randn(4, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert g.stats.optimizer_steps_skipped == 1 and g.stats.nonfinite_detected == 0
+
+
+def test_forward_nan_loss_under_grad_scaler_raises_at_update():
+    ampguard.install()
+    m = Saturating()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    loss = torch.log(m(torch.randn(4, 4)) * 0).sum()  # -inf loss
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        scaler.update()
+    assert info.value.sink == "loss" and info.value.kind == "-inf" and info.value.op == "torch.log"
+
+
+def test_bf16_infinite_loss_raises_and_parameters_are_unchanged():
+    ampguard.install()
+    m = Saturating()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    before = [q.detach().clone() for q in m.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(torch.randn(4, 4))
+        loss = (out * 1e38).exp().sum()  # +inf
+    loss.backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    assert info.value.kind == "inf" and info.value.sink == "loss"
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=False))
+
+
+def test_fp16_parameters_with_adam_and_a_zero_gradient_mention_eps():
+    ampguard.install()
+    m = torch.nn.Linear(4, 1).half()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=1e-8)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # 0 / (0 + eps rounded to 0) = NaN
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()  # the deferred check of the previous step's parameters
+    err = info.value
+    assert err.sink in ("parameter 'weight'", "parameter 'bias'", "parameter '#0'", "parameter '#1'")
+    assert "eps=1e-08 rounds to 0 in float16" in str(err)
+
+
+def test_eager_mode_raises_at_the_line_itself():
+    ampguard.install(trace="eager")
+    m = CausalAttention(bad_sqrt=True)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        m(torch.randn(2, 6, 8))
+    assert info.value.op == "torch.sqrt"
+    assert info.value.origin[-1].lineno == line_of(CausalAttention.forward, "SQRT LINE")
+    frames = [f for f in __import__("traceback").extract_tb(info.value.__traceback__) if f.filename == __file__]
+    assert frames[-1].lineno == line_of(CausalAttention.forward, "SQRT LINE")
+
+
+def test_warn_mode_warns_once_per_origin_and_continues():
+    g = ampguard.install(nonfinite="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_attention(CausalAttention(bad_sqrt=True), steps=3)
+    ours = [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    assert "torch.sqrt" in ours[0]
+    # training went on: the NaN reached the parameters too, a different sink, warned once as well;
+    # three steps of the same failure warn no more than that
+    assert len(ours) == 2 and "parameter 'qkv.weight'" in ours[1]
+    assert g.stats.nonfinite_detected >= 3
+
+
+def test_trace_off_still_checks_sinks_without_origin_and_nonfinite_off_checks_nothing():
+    ampguard.install(trace="off")
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        train_attention(CausalAttention(bad_sqrt=True), steps=1)
+    assert info.value.op is None and "No origin is known (tracing is off)" in str(info.value)
+    ampguard.uninstall()
+    g = ampguard.install(nonfinite="off")
+    train_attention(CausalAttention(bad_sqrt=True), steps=2)
+    assert g.stats.nonfinite_detected == 0
+
+
+def test_dataloader_workers_do_not_hang_or_grow():
+    ampguard.install()
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        for x, y in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            assert len(nonfinite.T.records) == 0  # freed at each step
+    assert ampguard.active().stats.nonfinite_detected == 0
+
+
+def test_records_stay_flat_over_200_steps():
+    ampguard.install()
+    model = CausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    peak = 0
+    for _i in range(200):
+        loss = model(torch.randn(2, 6, 8)).pow(2).mean()
+        peak = max(peak, len(nonfinite.T.records))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert len(nonfinite.T.records) == 0 and len(nonfinite.T.producer) == 0
+    assert 10 < peak < 100  # one step's ops, not 200 steps' worth
+
+
+def test_compiled_model_still_trains():
+    g = ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0]
+    assert g.stats.nonfinite_detected == 0
