@@ -280,3 +280,13 @@ def test_compiled_model_still_trains():
         opt.zero_grad()
     assert losses[-1] < losses[0]
     assert g.stats.nonfinite_detected == 0
+
+
+def test_devices_option_limits_which_tensors_are_watched():
+    g = ampguard.install(devices=("cuda",))
+    train_attention(CausalAttention(bad_sqrt=True), steps=1)  # CPU tensors: not watched
+    assert g.stats.nonfinite_detected == 0
+    ampguard.uninstall()
+    ampguard.install(devices="cpu")
+    with pytest.raises(ampguard.NonFiniteError):
+        train_attention(CausalAttention(bad_sqrt=True), steps=1)
