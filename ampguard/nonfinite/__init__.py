@@ -249,6 +249,30 @@ def _clear_records() -> None:
     T.full = False
 
 
+def _fail_safe(hook: Any) -> Any:
+    """A torch hook that never breaks the user's run: intended errors pass, ampguard bugs fall back."""
+    import functools
+
+    @functools.wraps(hook)
+    def safe(*args: Any) -> None:
+        try:
+            hook(*args)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
+
+    return safe
+
+
+def _norm_status(tensors: list) -> Any:
+    """One on-device value that is non-finite iff any element of ``tensors`` is."""
+    import torch
+
+    norms = torch._foreach_norm([t.detach() for t in tensors])
+    return torch.stack([n.float() for n in norms]).sum()
+
+
 # -- sinks -----------------------------------------------------------------------------
 def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, keep: bool) -> None:
     entry = T.producer.get(id(tensor))
@@ -256,24 +280,21 @@ def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, ke
     T.pending.append(_Pending(sink, nan_only, _status(tensor), tensor if keep else weakref.ref(tensor), record))
 
 
+@_fail_safe
 def _forward_pre(module: Any, args: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None or _in_worker():
         return
-    try:
-        if T.depth == 0:
-            if T.pending and T.backward_since_check:
-                check(g)  # a backward without an optimizer step since: check its loss now
-            T.root = module
-            _push_mode(g)
-        T.stack.append(module)
-        T.depth += 1
-    except NonFiniteError:
-        raise
-    except Exception as exc:
-        internal_failure(FEATURE, exc)
+    if T.depth == 0:
+        if T.pending and T.backward_since_check:
+            check(g)  # a backward without an optimizer step since: check its loss now
+        T.root = module
+        _push_mode(g)
+    T.stack.append(module)
+    T.depth += 1
 
 
+@_fail_safe
 def _forward_post(module: Any, args: Any, output: Any) -> None:
     import torch
 
@@ -284,19 +305,14 @@ def _forward_post(module: Any, args: Any, output: Any) -> None:
     T.depth -= 1
     if T.depth:
         return
-    try:
-        outputs = [output] if isinstance(output, torch.Tensor) else (
-            [o for o in output if isinstance(o, torch.Tensor)] if isinstance(output, (tuple, list)) else
-            [o for o in output.values() if isinstance(o, torch.Tensor)] if isinstance(output, dict) else [])
-        for o in outputs:
-            if o.is_floating_point() and o.numel() and _watched(g, o):
-                _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
-        if outputs and not torch.is_grad_enabled():
-            check(g)  # no backward will come (inference): check now
-    except NonFiniteError:
-        raise
-    except Exception as exc:
-        internal_failure(FEATURE, exc)
+    outputs = [output] if isinstance(output, torch.Tensor) else (
+        [o for o in output if isinstance(o, torch.Tensor)] if isinstance(output, (tuple, list)) else
+        [o for o in output.values() if isinstance(o, torch.Tensor)] if isinstance(output, dict) else [])
+    for o in outputs:
+        if o.is_floating_point() and o.numel() and _watched(g, o):
+            _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
+    if outputs and not torch.is_grad_enabled():
+        check(g)  # no backward will come (inference): check now
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -353,52 +369,35 @@ def _param_names(params: list) -> dict[int, str]:
     return {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(params)}
 
 
+@_fail_safe
 def _optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    import torch
-
     g = _guard.current(FEATURE)
     if g is None:
         return
-    try:
-        _pop_mode()
-        if DEPTH.counts.get("scaler.step"):
-            return  # under a GradScaler non-finite gradients are its business; checked at update()
-        grads = [p.grad for p in _params_of(optimizer) if p.grad is not None]
-        grads = [gr for gr in grads if gr.is_floating_point() and _watched(g, gr)]
-        if grads:
-            norms = torch._foreach_norm([gr.detach() for gr in grads])
-            status = torch.stack([n.float() for n in norms]).sum()
-            params = [p for p in _params_of(optimizer) if p.grad is not None]
-            T.pending.append(_Pending(f"gradients of {g.name_of(optimizer)}", False, status, None, None,
-                                      params=params))
-        check(g)
-    except NonFiniteError:
-        raise
-    except Exception as exc:
-        internal_failure(FEATURE, exc)
+    _pop_mode()
+    if DEPTH.counts.get("scaler.step"):
+        return  # under a GradScaler non-finite gradients are its business; checked at update()
+    params = [p for p in _params_of(optimizer)
+              if p.grad is not None and p.grad.is_floating_point() and _watched(g, p.grad)]
+    if params:
+        T.pending.append(_Pending(f"gradients of {g.name_of(optimizer)}", False,
+                                  _norm_status([p.grad for p in params]), None, None, params=params))
+    check(g)
 
 
+@_fail_safe
 def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    import torch
-
     g = _guard.current(FEATURE)
     if g is None:
         return
-    try:
-        params = [p for p in _params_of(optimizer) if p.is_floating_point() and _watched(g, p)]
-        if params:
-            norms = torch._foreach_norm([p.detach() for p in params])
-            status = torch.stack([n.float() for n in norms]).sum()
-            T.pending.append(_Pending(f"parameters of {g.name_of(optimizer)}", False, status, None, None,
-                                      params=params, hint=_eps_hint(optimizer, params)))
-            if g.options.trace == "eager":
-                check(g)
-        if not T.pending:
-            _clear_records()
-    except NonFiniteError:
-        raise
-    except Exception as exc:
-        internal_failure(FEATURE, exc)
+    params = [p for p in _params_of(optimizer) if p.is_floating_point() and _watched(g, p)]
+    if params:
+        T.pending.append(_Pending(f"parameters of {g.name_of(optimizer)}", False, _norm_status(params), None,
+                                  None, params=params, hint=_eps_hint(optimizer, params)))
+        if g.options.trace == "eager":
+            check(g)
+    if not T.pending:
+        _clear_records()
 
 
 def _eps_hint(optimizer: Any, params: list) -> str:
