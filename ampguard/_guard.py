@@ -108,10 +108,6 @@ class Guard:
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
 
-    def enabled(self, feature: str) -> bool:
-        value = getattr(self.options, feature)
-        return value not in (False, "off") and feature not in self._disabled
-
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
         """The state one feature keeps for this Guard (its weak maps), created on first use."""
         state = self._state.get(feature)
@@ -247,18 +243,6 @@ class Depth(threading.local):
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def inside(self, key: str) -> Iterator[None]:
-        counts = self.counts
-        counts[key] = counts.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            counts[key] -= 1
-
-    def level(self, key: str) -> int:
-        return self.counts.get(key, 0)
 
 
 DEPTH = Depth()

@@ -130,14 +130,6 @@ class Registry:
             self._hooked_bases.clear()
             self._bases.clear()
 
-    def patched(self) -> Iterator[tuple[type, str, Any]]:
-        """(class, name, original) for every attribute currently replaced."""
-        with self._lock:
-            for record in list(self._records.values()):
-                cls = record.cls_ref()
-                if cls is not None:
-                    yield cls, record.name, record.original
-
     # -- import hooks ------------------------------------------------------------------
     def _register_import_hook(self, module: str) -> None:
         if module in self._import_hooks:
@@ -161,14 +153,6 @@ class Registry:
             raise
         except Exception as exc:
             _report_failure(f"patching {getattr(module, '__name__', module)}", exc)
-
-    def apply_pending(self) -> None:
-        """Apply every target whose module is already imported (used after targets are added)."""
-        with self._lock:
-            if self.installed:
-                for target in self._targets:
-                    if target.module in sys.modules:
-                        self._apply(target)
 
     # -- the hierarchy machinery -------------------------------------------------------
     def _resolve(self, target: Target) -> Any:
