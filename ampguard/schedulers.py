@@ -26,7 +26,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from . import _guard
+from . import _guard, _sync
 from ._errors import AmpGuardError, LossScaleCollapseError
 from ._guard import DEPTH, Guard, internal_failure
 from ._patching import REGISTRY, Target
@@ -134,23 +134,15 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
 
     Returns the value of ``extra`` (a tensor ``new_scale``) when one is given.
     """
-    import torch
-
-    from . import nonfinite
-
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
     scale = scaler._scale
-    device = scale.device
-    flat = [t if t.device == device else t.to(device, non_blocking=True) for p in pending for t in p.found_inf]
-    flat.append(scale)
-    # The non-finite sinks waiting for a sync (the loss, module outputs) ride on this same read.
-    sinks = nonfinite.pending_statuses() if _guard.current(nonfinite.FEATURE) else []
-    flat.extend(t.to(device, non_blocking=True) for t in sinks)
+    own = [t for p in pending for t in p.found_inf]
+    own.append(scale)
     if extra is not None:
-        flat.append(extra.detach().to(device=device, dtype=scale.dtype).reshape(()))
-    values = torch.stack(flat).tolist()  # the one host-device sync of this iteration
+        own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
+    values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
     stats = g.stats
     table = optimizers(g)
     owners = tables(g).pending_owner
@@ -173,8 +165,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
             stats.optimizer_steps_applied += 1
     if pending:
         record.iteration_scale = values[i]
-    if sinks:
-        nonfinite.finish(g, values[i + 1:i + 1 + len(sinks)])  # may raise NonFiniteError
+    settle()  # the other features' checks that rode on this read; may raise NonFiniteError
     return values[-1] if extra is not None else None
 
 

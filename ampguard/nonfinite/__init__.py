@@ -14,9 +14,9 @@ With ``trace="deferred"`` a TorchFunctionMode is pushed at the outermost module 
 at the loss (backward) or the optimizer step, so backward and ``optimizer.step()`` are never
 traced. Each op records an on-device float32 sum of each floating output (NaN, +Inf and -Inf
 survive a sum), its first user frames, the module running, and which recorded ops produced its
-inputs. The sink statuses are read in one transfer per optimizer step: in the optimizer pre-step
-hook, or in the read that GradScaler.update() already does. Only when one fails are the op
-records read and walked back to the origin.
+inputs. The sink statuses wait in ``_sync``'s shared read: the optimizer pre-step hook asks for
+it, and GradScaler.update() already does one. Only when a sink fails are the op records read and
+walked back to the origin.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import warnings
 import weakref
 from typing import Any
 
-from .. import _guard
+from .. import _guard, _sync
 from .._errors import AmpGuardWarning, NonFiniteError
 from .._guard import DEPTH, internal_failure
 from .._patching import REGISTRY, Switch, Target
@@ -287,7 +287,7 @@ def _forward_pre(module: Any, args: Any) -> None:
         return
     if T.depth == 0:
         if T.pending and T.backward_since_check:
-            check(g)  # a backward without an optimizer step since: check its loss now
+            check()  # a backward without an optimizer step since: check its loss now
         T.root = module
         _push_mode(g)
     T.stack.append(module)
@@ -312,7 +312,7 @@ def _forward_post(module: Any, args: Any, output: Any) -> None:
         if o.is_floating_point() and o.numel() and _watched(g, o):
             _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
     if outputs and not torch.is_grad_enabled():
-        check(g)  # no backward will come (inference): check now
+        check()  # no backward will come (inference): check now
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -332,7 +332,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
                 _add_tensor_sink(g, "loss", r, nan_only=False, keep=True)
         T.backward_since_check = True
         if g.options.trace == "eager":
-            check(g)
+            check()
     except NonFiniteError:
         raise
     except Exception as exc:
@@ -382,7 +382,7 @@ def _optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if params:
         T.pending.append(_Pending(f"gradients of {g.name_of(optimizer)}", False,
                                   _norm_status([p.grad for p in params]), None, None, params=params))
-    check(g)
+    check()
 
 
 @_fail_safe
@@ -395,7 +395,7 @@ def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         T.pending.append(_Pending(f"parameters of {g.name_of(optimizer)}", False, _norm_status(params), None,
                                   None, params=params, hint=_eps_hint(optimizer, params)))
         if g.options.trace == "eager":
-            check(g)
+            check()
     if not T.pending:
         _clear_records()
 
@@ -413,13 +413,14 @@ def _eps_hint(optimizer: Any, params: list) -> str:
 
 
 # -- checking ----------------------------------------------------------------------------
-def pending_statuses() -> list:
-    """The statuses waiting for the next sync (GradScaler.update() folds them into its own read)."""
-    return [p.status for p in T.pending]
+def _collect() -> list:
+    """The sink statuses waiting for the next shared read."""
+    return [p.status for p in T.pending] if _guard.current(FEATURE) else []
 
 
-def finish(g: _guard.Guard, values: list[float]) -> None:
-    """Judge the pending sinks with values read elsewhere, in the order they were added."""
+def _consume(values: list[float]) -> None:
+    """Judge the pending sinks, in the order they were added; raise or warn for the first bad one."""
+    g = _guard.current(FEATURE)
     pending, T.pending = T.pending[:len(values)], T.pending[len(values):]
     T.backward_since_check = False
     for p, value in zip(pending, values, strict=True):
@@ -432,15 +433,13 @@ def finish(g: _guard.Guard, values: list[float]) -> None:
         _clear_records()
 
 
-def check(g: _guard.Guard) -> None:
-    """One sync for every pending sink; raise or warn for the first that holds a NaN/Inf."""
-    import torch
+_sync.participate(_collect, _consume)
 
-    if not T.pending:
-        return
-    device = T.pending[0].status.device
-    values = torch.stack([p.status.to(device, non_blocking=True) for p in T.pending]).tolist()
-    finish(g, values)
+
+def check() -> None:
+    """Read every pending sink now (one sync, shared with anything else waiting)."""
+    if T.pending:
+        _sync.read([])[1]()
 
 
 def _fail(g: _guard.Guard, p: _Pending, values: list[float] | None) -> None:

@@ -1,0 +1,51 @@
+"""The one host-device read per step that every feature's on-device checks share.
+
+Features never call ``.item()``/``.tolist()`` themselves. Whoever needs values now (GradScaler
+skip detection at ``update()``, the non-finite sinks at an optimizer step) calls :func:`read`;
+every participant's waiting tensors ride on that same transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# (collect, consume): collect() -> tensors waiting for a read; consume(values) judges them
+_participants: list[tuple[Callable[[], list], Callable[[list[float]], None]]] = []
+
+
+def participate(collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
+    _participants.append((collect, consume))
+
+
+def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], None]]:
+    """Read ``own`` and every participant's waiting tensors in one transfer.
+
+    Returns the values of ``own`` and ``settle``, which hands each participant its values.
+    ``settle`` may raise an intended error (NonFiniteError), so call it once the caller's own
+    bookkeeping is done.
+    """
+    import torch
+
+    parts = list(own)
+    shares = []
+    for collect, consume in _participants:
+        tensors = collect()
+        if tensors:
+            shares.append((consume, len(parts), len(tensors)))
+            parts.extend(tensors)
+    if not parts:
+        return [], _nothing
+    if device is None:
+        device = parts[0].device
+    values = torch.stack([t if t.device == device else t.to(device, non_blocking=True) for t in parts]).tolist()
+
+    def settle() -> None:
+        for consume, start, n in shares:
+            consume(values[start:start + n])
+
+    return values[:len(own)], settle
+
+
+def _nothing() -> None:
+    return None
