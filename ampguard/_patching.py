@@ -71,7 +71,6 @@ class Registry:
         self._lock = threading.RLock()
         self._targets: list[Target] = []
         self._records: dict[tuple[int, str], _Record] = {}
-        self._hooked_bases: dict[int, type] = {}
         self._bases: list[tuple[Target, type]] = []  # targets applied so far, with their base class
         self._import_hooks: set[str] = set()
         self._switches: list[Switch] = []
@@ -80,18 +79,13 @@ class Registry:
 
     # -- declaration -------------------------------------------------------------------
     def add(self, target: Target) -> None:
+        """Declare a target; ampguard's modules do this when imported, before any install."""
         with self._lock:
             self._targets.append(target)
-            if self.installed:
-                self._register_import_hook(target.module)
 
     def add_switch(self, switch: Switch) -> None:
         with self._lock:
             self._switches.append(switch)
-
-    @property
-    def targets(self) -> tuple[Target, ...]:
-        return tuple(self._targets)
 
     # -- install / uninstall -----------------------------------------------------------
     def install(self) -> None:
@@ -101,8 +95,9 @@ class Registry:
             self.installed = True
             modules = [t.module for t in self._targets] + [s.module for s in self._switches]
             for module in dict.fromkeys(modules):
-                self._register_import_hook(module)
-                if module in sys.modules:  # a hook registered earlier in this process fires no more
+                # A new hook fires at once for an imported module; one registered by an earlier
+                # install in this process does not fire again, so apply those here.
+                if not self._register_import_hook(module) and module in sys.modules:
                     self._on_import(sys.modules[module])
 
     def uninstall(self) -> None:
@@ -127,15 +122,16 @@ class Registry:
                 else:
                     setattr(cls, record.name, record.original)
             self._records.clear()
-            self._hooked_bases.clear()
             self._bases.clear()
 
     # -- import hooks ------------------------------------------------------------------
-    def _register_import_hook(self, module: str) -> None:
+    def _register_import_hook(self, module: str) -> bool:
+        """Register the hook once per process; True if it was registered now."""
         if module in self._import_hooks:
-            return
+            return False
         self._import_hooks.add(module)
         wrapt.register_post_import_hook(self._on_import, module)
+        return True
 
     def _on_import(self, module: Any) -> None:
         # Runs inside the user's import statement: an exception here would fail their import.
@@ -193,7 +189,8 @@ class Registry:
         self._records[key] = _Record(weakref.ref(cls), target.name, original, replacement)
 
     def _hook_subclassing(self, base: type) -> None:
-        if id(base) in self._hooked_bases:
+        key = (id(base), "__init_subclass__")
+        if key in self._records:
             return
         original = vars(base).get("__init_subclass__", _MISSING)
         registry = self
@@ -209,9 +206,7 @@ class Registry:
 
         replacement = classmethod(__init_subclass__)
         base.__init_subclass__ = replacement
-        self._records[(id(base), "__init_subclass__")] = _Record(
-            weakref.ref(base), "__init_subclass__", original, replacement)
-        self._hooked_bases[id(base)] = base
+        self._records[key] = _Record(weakref.ref(base), "__init_subclass__", original, replacement)
 
     def _on_subclass(self, cls: type) -> None:
         # Runs inside the user's class statement: never let an ampguard failure break it.
