@@ -25,6 +25,8 @@ log = logging.getLogger("ampguard")
 
 V = TypeVar("V")
 
+_FEATURES = ("schedulers", "closures", "nonfinite")  # the options that switch a feature on or off
+
 
 @dataclasses.dataclass
 class Stats:
@@ -43,10 +45,6 @@ class Stats:
         self.loss_scale = scale
         self.loss_scale_min = scale if self.loss_scale_min is None else min(self.loss_scale_min, scale)
         self.loss_scale_max = scale if self.loss_scale_max is None else max(self.loss_scale_max, scale)
-
-    def anything_happened(self) -> bool:
-        return bool(self.optimizer_steps_skipped or self.scheduler_steps_held
-                    or self.closures_injected or self.nonfinite_detected)
 
 
 class ObjectState(Generic[V]):
@@ -89,9 +87,6 @@ class ObjectState(Generic[V]):
             del self._data[id(obj)]
         return value
 
-    def __len__(self) -> int:
-        return len(self._data)
-
 
 class Guard:
     """Options, statistics and per-object state of one installation.
@@ -101,12 +96,25 @@ class Guard:
     """
 
     def __init__(self, options: _options.Options) -> None:
+        self._disabled: set[str] = set()  # features switched off after an internal failure
         self.options = options
         self.stats = Stats()
-        self._disabled: set[str] = set()  # features switched off after an internal failure
         self._state: dict[str, Any] = {}
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
+
+    @property
+    def options(self) -> _options.Options:
+        return self._options
+
+    @options.setter
+    def options(self, options: _options.Options) -> None:
+        self._options = options
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # The per-op check in current() is one set lookup.
+        self._on = frozenset(f for f in _FEATURES if getattr(self._options, f) not in (False, "off")) - self._disabled
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
         """The state one feature keeps for this Guard (its weak maps), created on first use."""
@@ -149,7 +157,6 @@ class Guard:
 _lock = threading.RLock()
 _active: Guard | None = None
 _warned: set[str] = set()
-_on_change: list[Callable[[Guard | None], None]] = []
 
 
 def active() -> Guard | None:
@@ -160,24 +167,12 @@ def active() -> Guard | None:
 def current(feature: str) -> Guard | None:
     """The active Guard if ``feature`` is on; the cheap check every patch starts with."""
     g = _active
-    if g is not None and feature not in g._disabled and getattr(g.options, feature) not in (False, "off"):
-        return g
-    return None
-
-
-def on_change(callback: Callable[[Guard | None], None]) -> None:
-    """Call ``callback(guard)`` whenever the active guard or its options change."""
-    _on_change.append(callback)
+    return g if g is not None and feature in g._on else None
 
 
 def _set_active(g: Guard | None) -> None:
     global _active
     _active = g
-    for callback in _on_change:
-        try:
-            callback(g)
-        except Exception as exc:
-            internal_failure("activation", exc)
 
 
 def install(**options: Any) -> Guard:
@@ -188,7 +183,6 @@ def install(**options: Any) -> Guard:
             _set_active(g)
         else:
             _active.options = _active.options.replace(**options)
-            _set_active(_active)
         return _active
 
 
@@ -227,6 +221,7 @@ def internal_failure(feature: str, exc: BaseException) -> None:
     g = _active
     if g is not None:
         g._disabled.add(feature)
+        g._refresh()
     if feature not in _warned:
         _warned.add(feature)
         warnings.warn(
@@ -243,6 +238,15 @@ class Depth(threading.local):
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+
+    def outermost(self, key: str, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Call ``wrapped`` marked as inside ``key``; nested calls see the mark and pass through."""
+        counts = self.counts
+        counts[key] = 1
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            counts[key] = 0
 
 
 DEPTH = Depth()

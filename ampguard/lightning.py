@@ -100,8 +100,7 @@ def _split(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
 
 def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    depth = DEPTH.counts
-    if g is None or depth.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
+    if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
         return wrapped(*args, **kwargs)
     try:
         optimizer, closure, rebuild = _split(args, kwargs)
@@ -113,11 +112,7 @@ def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     except Exception as exc:
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
-    depth["optimizer_step"] = 1
-    try:
-        result = wrapped(*new_args, **new_kwargs)
-    finally:
-        depth["optimizer_step"] = 0
+    result = DEPTH.outermost("optimizer_step", wrapped, new_args, new_kwargs)
     events = list(proxy._self_injected)
     if not hook_closure.ran:
         hook_closure()  # neither step nor closure: run training_step so Lightning gets its result

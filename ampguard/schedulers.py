@@ -80,14 +80,9 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    depth = DEPTH.counts
-    if g is None or depth.get("scaler.step"):
+    if g is None or DEPTH.counts.get("scaler.step"):
         return wrapped(*args, **kwargs)
-    depth["scaler.step"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        depth["scaler.step"] = 0
+    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         if getattr(instance, "_enabled", False):
             optimizer = args[0] if args else kwargs["optimizer"]
@@ -112,21 +107,15 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
 # -- GradScaler.update ---------------------------------------------------------------------
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    depth = DEPTH.counts
-    if g is None or depth.get("scaler.update") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
-    depth["scaler.update"] = 1
     try:
-        try:
-            new_scale = args[0] if args else kwargs.get("new_scale")
-            _before_update(g, instance, new_scale)
-        except AmpGuardError:
-            raise
-        except Exception as exc:
-            internal_failure(FEATURE, exc)
-        return wrapped(*args, **kwargs)
-    finally:
-        depth["scaler.update"] = 0
+        _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
+    except AmpGuardError:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return DEPTH.outermost("scaler.update", wrapped, args, kwargs)
 
 
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> float | None:
@@ -243,8 +232,7 @@ def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, 
 # -- LRScheduler.step ----------------------------------------------------------------------
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    depth = DEPTH.counts
-    if g is None or depth.get("scheduler.step"):
+    if g is None or DEPTH.counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
@@ -258,11 +246,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    depth["scheduler.step"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        depth["scheduler.step"] = 0
+    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
     try:
         optimizer = getattr(instance, "optimizer", None)
         opt_record = optimizers(g).get(optimizer) if optimizer is not None else None
