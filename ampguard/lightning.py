@@ -81,21 +81,13 @@ class _StepInjector(wrapt.ObjectProxy):
             hook_closure.in_step -= 1
 
 
-def _split(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-    """(optimizer, closure, rebuild) from the way Lightning 2.x calls the hook."""
-    if len(args) >= 4:
-        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
-            return (*args[:2], opt, clo, *args[4:]), kwargs
-        return args[2], args[3], rebuild
-    if len(args) == 3 and "optimizer_closure" in kwargs:
-        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
-            return (*args[:2], opt), {**kwargs, "optimizer_closure": clo}
-        return args[2], kwargs["optimizer_closure"], rebuild
-    if "optimizer" in kwargs and "optimizer_closure" in kwargs:
-        def rebuild(opt: Any, clo: Any) -> tuple[tuple, dict]:
-            return args, {**kwargs, "optimizer": opt, "optimizer_closure": clo}
-        return kwargs["optimizer"], kwargs["optimizer_closure"], rebuild
-    return None, None, None
+def _slot(args: list, kwargs: dict, position: int, name: str) -> tuple[Any, Any] | None:
+    """Where the hook received an argument, as (container, key), keeping the caller's form."""
+    if len(args) > position:
+        return args, position
+    if name in kwargs:
+        return kwargs, name
+    return None
 
 
 def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -103,12 +95,15 @@ def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
         return wrapped(*args, **kwargs)
     try:
-        optimizer, closure, rebuild = _split(args, kwargs)
-        if optimizer is None or not callable(closure):
+        new_args, new_kwargs = list(args), dict(kwargs)
+        optimizer_at = _slot(new_args, new_kwargs, 2, "optimizer")
+        closure_at = _slot(new_args, new_kwargs, 3, "optimizer_closure")
+        if optimizer_at is None or closure_at is None or not callable(closure_at[0][closure_at[1]]):
             return wrapped(*args, **kwargs)
-        hook_closure = _HookClosure(closure)
-        proxy = _StepInjector(optimizer, hook_closure)
-        new_args, new_kwargs = rebuild(proxy, hook_closure)
+        hook_closure = _HookClosure(closure_at[0][closure_at[1]])
+        proxy = _StepInjector(optimizer_at[0][optimizer_at[1]], hook_closure)
+        optimizer_at[0][optimizer_at[1]] = proxy
+        closure_at[0][closure_at[1]] = hook_closure
     except Exception as exc:
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
