@@ -98,9 +98,9 @@ class _Pending:
     sink: str
     nan_only: bool
     status: Any  # 0-d float32 tensor
-    tensor: Any  # the sink tensor (strong for the small loss, weak otherwise) or a callable for details
+    tensor: Any  # the sink tensor: strong for the small loss, a weakref otherwise, None for params
     record: int | None
-    params: list | None = None  # for gradient/parameter sinks: (name, tensor) pairs
+    params: list | None = None  # for gradient/parameter sinks: the parameters checked
     hint: str = ""
 
 
@@ -126,10 +126,11 @@ def _watched(g: _guard.Guard, tensor: Any) -> bool:
     return devices is None or tensor.device.type in devices
 
 
-def _status(tensor: Any) -> Any:
-    import torch
+_torch: Any = None  # torch, bound when the hooks switch on (every path below runs after that)
 
-    return torch.sum(tensor.detach(), dtype=torch.float32)
+
+def _status(tensor: Any) -> Any:
+    return _torch.sum(tensor.detach(), dtype=_torch.float32)
 
 
 def _in_worker() -> bool:
@@ -169,23 +170,23 @@ _Tracer: Any = None
 
 
 def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
-    import torch
-
-    outputs = [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)] \
+    tensor = _torch.Tensor
+    outputs = [out] if isinstance(out, tensor) else [o for o in out if isinstance(o, tensor)] \
         if isinstance(out, (tuple, list)) else []
     outputs = [o for o in outputs if o.is_floating_point() and o.numel() and _watched(g, o)]
     if not outputs:
         return
     producer = T.producer
+    eager = g.options.trace == "eager"
     inputs = []
-    unrecorded = []
+    unrecorded = []  # inputs no recorded op produced (data, parameters); eager mode checks them
     for a in (*args, *(kwargs.values() if kwargs else ())):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, tensor):
                 entry = producer.get(id(t))
                 if entry is not None and entry[0]() is t:
                     inputs.append(entry[1])
-                elif t.is_floating_point():
+                elif eager and t.is_floating_point():
                     unrecorded.append(t)
     records = T.records
     frames = _user_frames(sys._getframe(2))
@@ -197,7 +198,7 @@ def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: A
         record = OpRecord(func, frames, module, tuple(inputs), status, ref, o.shape, o.dtype)
         records.append(record)
         producer[id(o)] = (ref, index)
-        if g.options.trace == "eager":
+        if eager:
             _eager_check(g, record, index, unrecorded)
     if len(records) > MAX_RECORDS:
         T.full = True
@@ -552,9 +553,12 @@ def _param_error(p: _Pending) -> NonFiniteError:
 
 # -- the patch targets -------------------------------------------------------------------
 def _switch_hooks() -> Any:
+    global _torch
+    import torch
     from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
+    _torch = torch
     handles: list = []
     try:
         handles.append(nn_module.register_module_forward_pre_hook(_forward_pre))
