@@ -165,8 +165,6 @@ _spec(
     "Device types whose tensors are watched.",
 )
 
-_RUNTIME_KEYS: tuple[str, ...] = ()  # AMPGUARD_* switches that are not guard options
-
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -216,7 +214,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             out[spec.name] = spec.check(spec.parse_env(text))
         except _Reject:
             raise _fail(spec, text, f"environment variable {spec.env}") from None
-    known = {spec.env for spec in SPECS.values()} | {"AMPGUARD_" + k.upper() for k in _RUNTIME_KEYS}
+    known = {spec.env for spec in SPECS.values()}
     unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in known)
     if unknown:
         accepted = ", ".join(sorted(known))
