@@ -111,6 +111,8 @@ class Guard:
     def options(self, options: _options.Options) -> None:
         self._options = options
         self._refresh()
+        if _active is self:
+            REGISTRY.set_features(self._on)  # global hooks follow the enabled features
 
     def _refresh(self) -> None:
         # The per-op check in current() is one set lookup.
@@ -173,6 +175,7 @@ def current(feature: str) -> Guard | None:
 def _set_active(g: Guard | None) -> None:
     global _active
     _active = g
+    REGISTRY.set_features(g._on if g is not None else frozenset())
 
 
 def install(**options: Any) -> Guard:
@@ -220,6 +223,8 @@ def internal_failure(feature: str, exc: BaseException) -> None:
     log.error("ampguard: internal error in %s; falling back to PyTorch's own behaviour", feature, exc_info=exc)
     g = _active
     if g is not None:
+        # Only mark it: this may run inside one of torch's hook loops, which must not change size
+        # under it. The feature's hooks return at once from now on.
         g._disabled.add(feature)
         g._refresh()
     if feature not in _warned:

@@ -49,9 +49,14 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class Switch:
-    """A global hook that is not an attribute (torch's optimizer/module hooks): ``on()`` returns ``off``."""
+    """A global hook that is not an attribute (torch's optimizer/module hooks): ``on()`` returns ``off``.
+
+    It is on only while its feature is enabled: a global module hook puts every module call on
+    PyTorch's slower hook path, which a feature that is off must not cost.
+    """
 
     module: str
+    feature: str
     on: Callable[[], Callable[[], None]]
     why: str
 
@@ -75,6 +80,7 @@ class Registry:
         self._import_hooks: set[str] = set()
         self._switches: list[Switch] = []
         self._switched_on: dict[int, Callable[[], None]] = {}  # id(switch) -> off
+        self._features: frozenset[str] = frozenset()  # the features the active guard has on
         self.installed = False
 
     # -- declaration -------------------------------------------------------------------
@@ -105,6 +111,7 @@ class Registry:
             if not self.installed:
                 return
             self.installed = False
+            self._features = frozenset()
             for off in reversed(list(self._switched_on.values())):
                 off()
             self._switched_on.clear()
@@ -124,6 +131,21 @@ class Registry:
             self._records.clear()
             self._bases.clear()
 
+    def set_features(self, features: frozenset[str]) -> None:
+        """Turn each switch on or off to match the features the active guard has on."""
+        with self._lock:
+            self._features = features if self.installed else frozenset()
+            self._update_switches()
+
+    def _update_switches(self) -> None:
+        for switch in self._switches:
+            key = id(switch)
+            wanted = switch.feature in self._features and switch.module in sys.modules
+            if wanted and key not in self._switched_on:
+                self._switched_on[key] = switch.on()
+            elif not wanted and key in self._switched_on:
+                self._switched_on.pop(key)()
+
     # -- import hooks ------------------------------------------------------------------
     def _register_import_hook(self, module: str) -> bool:
         """Register the hook once per process; True if it was registered now."""
@@ -142,9 +164,7 @@ class Registry:
                 for target in self._targets:
                     if target.module == module.__name__:
                         self._apply(target)
-                for switch in self._switches:
-                    if switch.module == module.__name__ and id(switch) not in self._switched_on:
-                        self._switched_on[id(switch)] = switch.on()
+                self._update_switches()
         except AmpGuardWarning:
             raise
         except Exception as exc:

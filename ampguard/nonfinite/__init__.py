@@ -579,6 +579,7 @@ def _switch_hooks() -> Any:
     return off
 
 
-REGISTRY.add_switch(Switch("torch", _switch_hooks, "module and optimizer hooks: scope the tracer, check the sinks"))
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
+                           "module and optimizer hooks: scope the tracer, check the sinks"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", _backward, "the loss sink; stop tracing at backward"))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", _scaler_scale, "the loss sink under AMP"))
