@@ -1,19 +1,35 @@
 """ampguard: make PyTorch mixed-precision training safe by default.
 
 ``ampguard.install()`` (or ``AMPGUARD=1``) patches torch, and Lightning when the program
-imports it, so that an LR scheduler never advances on a step GradScaler skipped, and a loss
-scale that collapses stops the run before the parameters turn NaN.
+imports it, so that an LR scheduler never advances on a step GradScaler skipped, a Lightning
+``optimizer_step`` that forgot its closure still trains, and a NaN/Inf names the op and line
+that created it.
+
+Importing the package is nearly free: the public names load on first use (PEP 562), so the
+pytest plugin and ``from ampguard import AmpGuardWarning`` never pay for wrapt or the patches.
 """
 
 from __future__ import annotations
 
-from . import lightning as _lightning  # noqa: F401  (declares its patch targets; imports no Lightning)
-from . import nonfinite as _nonfinite  # noqa: F401  (declares its patch targets)
-from . import schedulers as _schedulers  # noqa: F401  (declares its patch targets)
-from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError, NonFiniteError
-from ._guard import Guard, Stats, active, guard, install, uninstall
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "AmpGuardError": "_errors",
+    "AmpGuardWarning": "_errors",
+    "ConfigError": "_errors",
+    "LossScaleCollapseError": "_errors",
+    "NonFiniteError": "_errors",
+    "Guard": "_guard",
+    "Stats": "_guard",
+    "active": "_guard",
+    "guard": "_guard",
+    "install": "_guard",
+    "uninstall": "_guard",
+}
+_SUBMODULES = ("lightning", "lints", "nonfinite", "schedulers")
 
 __all__ = [
     "AmpGuardError",
@@ -29,3 +45,22 @@ __all__ = [
     "install",
     "uninstall",
 ]
+
+if TYPE_CHECKING:
+    from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError, NonFiniteError
+    from ._guard import Guard, Stats, active, guard, install, uninstall
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*_EXPORTS, *_SUBMODULES, "__version__"})

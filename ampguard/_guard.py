@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import warnings
@@ -18,14 +19,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from . import _options
-from ._errors import AmpGuardWarning
+from ._errors import AmpGuardError, AmpGuardWarning
 from ._patching import REGISTRY
 
 log = logging.getLogger("ampguard")
 
 V = TypeVar("V")
 
-_FEATURES = ("schedulers", "closures", "nonfinite")  # the options that switch a feature on or off
+_FEATURES = ("schedulers", "closures", "nonfinite", "lint")  # the options that switch a feature on or off
 
 
 @dataclasses.dataclass
@@ -40,6 +41,11 @@ class Stats:
     loss_scale_max: float | None = None
     closures_injected: int = 0
     nonfinite_detected: int = 0
+
+    def anything_happened(self) -> bool:
+        """Whether a run needs the exit report: something was skipped, held, injected or detected."""
+        return bool(self.optimizer_steps_skipped or self.scheduler_steps_held or self.closures_injected
+                    or self.nonfinite_detected)
 
     def note_scale(self, scale: float) -> None:
         self.loss_scale = scale
@@ -178,9 +184,15 @@ def _set_active(g: Guard | None) -> None:
     REGISTRY.set_features(g._on if g is not None else frozenset())
 
 
+def _declare_features() -> None:
+    # Each feature module declares its patch targets when imported; none of them imports torch.
+    from . import lightning, lints, nonfinite, schedulers  # noqa: F401
+
+
 def install(**options: Any) -> Guard:
     with _lock:
         if _active is None:
+            _declare_features()
             g = Guard(_options.resolve(options))
             REGISTRY.install()
             _set_active(g)
@@ -236,6 +248,26 @@ def internal_failure(feature: str, exc: BaseException) -> None:
             AmpGuardWarning,
             stacklevel=3,
         )
+
+
+def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+    """A torch hook that never breaks the user's run: intended errors and warnings-as-errors pass,
+    an ampguard bug switches ``feature`` off and PyTorch's behaviour goes on."""
+
+    def decorate(hook: Callable[..., Any]) -> Callable[..., None]:
+        @functools.wraps(hook)
+        def safe(*args: Any) -> None:
+            __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+            try:
+                hook(*args)
+            except (AmpGuardError, AmpGuardWarning):
+                raise
+            except Exception as exc:
+                internal_failure(feature, exc)
+
+        return safe
+
+    return decorate
 
 
 class Depth(threading.local):

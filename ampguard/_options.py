@@ -137,6 +137,16 @@ _spec(
     "Give a Lightning optimizer_step override that forgot optimizer_closure the closure, and warn once.",
 )
 
+_spec(
+    "lint",
+    True,
+    "True or False (env: 1/0, true/false, yes/no, on/off)",
+    _check_bool,
+    _env_bool,
+    "Warn once about AMP mistakes that do not crash: clipping still-scaled gradients, an fp16 eps that rounds "
+    "to 0, a GradScaler with bf16 autocast.",
+)
+
 _nonfinite_check, _nonfinite_env = _choice("raise", "warn", "off")
 _spec(
     "nonfinite",
@@ -166,6 +176,14 @@ _spec(
 )
 
 
+# Variables that are not Guard options but switch ampguard's activation on and off.
+ENV_SWITCHES = {
+    "AMPGUARD": "install the guard at interpreter start-up (1/0, true/false, yes/no, on/off)",
+    "AMPGUARD_REPORT": "with AMPGUARD=1 or python -m ampguard, print the report at exit if anything happened "
+                       "(default 1)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The validated options of one Guard. Build it with :func:`resolve`."""
@@ -173,6 +191,7 @@ class Options:
     schedulers: bool = True
     max_consecutive_skips: int | None = 32
     closures: bool = True
+    lint: bool = True
     nonfinite: str = "raise"
     trace: str = "deferred"
     devices: tuple[str, ...] | None = None
@@ -210,16 +229,22 @@ def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         text = environ.get(spec.env)
         if text is None or text.strip() == "":
             continue
-        try:
-            out[spec.name] = spec.check(spec.parse_env(text))
-        except _Reject:
-            raise _fail(spec, text, f"environment variable {spec.env}") from None
-    known = {spec.env for spec in SPECS.values()}
+        out[spec.name] = parse_text(spec.name, text, f"environment variable {spec.env}")
+    known = {spec.env for spec in SPECS.values()} | {k for k in ENV_SWITCHES if k.startswith("AMPGUARD_")}
     unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in known)
     if unknown:
         accepted = ", ".join(sorted(known))
         raise ConfigError(f"ampguard: unknown environment variable {unknown[0]}; accepted variables: {accepted}")
     return out
+
+
+def parse_text(name: str, text: str, source: str) -> Any:
+    """An option written as text (an ``AMPGUARD_*`` value, a ``--ampguard-*`` flag); ConfigError names ``source``."""
+    spec = SPECS[name]
+    try:
+        return spec.check(spec.parse_env(text))
+    except _Reject:
+        raise _fail(spec, text, source) from None
 
 
 def resolve(kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None,

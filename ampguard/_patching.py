@@ -192,9 +192,11 @@ class Registry:
             self._wrap(cls, target)
 
     def _wrap(self, cls: type, target: Target) -> None:
-        key = (id(cls), target.name)
+        # Keyed by target too: two features may wrap the same method (GradScaler.scale); the
+        # second wraps the first, and uninstall undoes them in reverse order.
+        key = (id(cls), target.name, id(target))
         record = self._records.get(key)
-        if record is not None and record.cls_ref() is cls and vars(cls).get(target.name) is record.replacement:
+        if record is not None and record.cls_ref() is cls and _in_chain(vars(cls).get(target.name), record.replacement):
             return  # installing twice wraps once
         if target.name not in vars(cls):
             return
@@ -241,6 +243,15 @@ class Registry:
             raise  # the user turned ampguard's warnings into errors
         except Exception as exc:
             _report_failure(f"patching subclass {cls.__qualname__}", exc)
+
+
+def _in_chain(obj: Any, replacement: Any) -> bool:
+    """Whether ``replacement`` is ``obj`` or one of the wrappers ``obj`` wraps."""
+    while isinstance(obj, wrapt.FunctionWrapper):
+        if obj is replacement:
+            return True
+        obj = obj.__wrapped__
+    return False
 
 
 def _walk(base: type) -> Iterator[type]:

@@ -41,6 +41,7 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     values = torch.stack([t if t.device == device else t.to(device, non_blocking=True) for t in parts]).tolist()
 
     def settle() -> None:
+        __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
         for consume, start, n in shares:
             consume(values[start:start + n])
 

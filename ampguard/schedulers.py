@@ -106,6 +106,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
 
 # -- GradScaler.update ---------------------------------------------------------------------
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
@@ -123,6 +124,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
 
     Returns the value of ``extra`` (a tensor ``new_scale``) when one is given.
     """
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
@@ -159,6 +161,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     import torch
 
     record = tables(g).scalers.of(scaler)
@@ -231,6 +234,7 @@ def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, 
 
 # -- LRScheduler.step ----------------------------------------------------------------------
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     if g is None or DEPTH.counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
@@ -258,6 +262,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     lr_scheduler = sys.modules["torch.optim.lr_scheduler"]
     if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
         return False  # driven by a metric, not by the count of steps

@@ -22,7 +22,6 @@ walked back to the origin.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import threading
 import warnings
@@ -31,52 +30,14 @@ from typing import Any
 
 from .. import _guard, _sync
 from .._errors import AmpGuardWarning, NonFiniteError
-from .._guard import DEPTH, internal_failure
+from .._frames import user_frames
+from .._guard import DEPTH, fail_safe, internal_failure
 from .._patching import REGISTRY, Switch, Target
+from ..lints import eps_message
 from . import _report
 
 FEATURE = "nonfinite"
 MAX_RECORDS = 200_000  # a step that records more stops tracing (and says so) instead of growing
-_INTERNAL_ROOTS: tuple[str, ...] = ()
-_internal_code: dict[Any, bool] = {}
-
-
-def _internal_roots() -> tuple[str, ...]:
-    global _INTERNAL_ROOTS
-    if not _INTERNAL_ROOTS:
-        import importlib.util
-        import sysconfig
-
-        roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sysconfig.get_paths()["stdlib"]]
-        for name in ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
-                     "_pytest", "pluggy", "wrapt"):
-            spec = importlib.util.find_spec(name)
-            if spec is not None and spec.submodule_search_locations:
-                roots.extend(spec.submodule_search_locations)
-        _INTERNAL_ROOTS = tuple(os.path.abspath(r) + os.sep for r in roots)
-    return _INTERNAL_ROOTS
-
-
-def _is_internal(code: Any) -> bool:
-    internal = _internal_code.get(code)
-    if internal is None:
-        filename = code.co_filename
-        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots())
-        _internal_code[code] = internal
-    return internal
-
-
-def _user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
-    out = []
-    while frame is not None and budget and len(out) < limit:
-        code = frame.f_code
-        if not _is_internal(code):
-            out.append((code, frame.f_lineno))
-        frame = frame.f_back
-        budget -= 1
-    return tuple(out)
-
-
 class OpRecord:
     __slots__ = ("dtype", "frames", "func", "inputs", "module", "ref", "shape", "status", "value")
 
@@ -101,7 +62,7 @@ class _Pending:
     tensor: Any  # the sink tensor: strong for the small loss, a weakref otherwise, None for params
     record: int | None
     params: list | None = None  # for gradient/parameter sinks: the parameters checked
-    hint: str = ""
+    optimizer: Any = None  # a weakref to the optimizer that stepped them (parameter sinks)
 
 
 class _ThreadState(threading.local):
@@ -189,7 +150,7 @@ def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: A
                 elif eager and t.is_floating_point():
                     unrecorded.append(t)
     records = T.records
-    frames = _user_frames(sys._getframe(2))
+    frames = user_frames(sys._getframe(2))
     module = T.stack[-1] if T.stack else None
     for o in outputs:
         index = len(records)
@@ -250,22 +211,6 @@ def _clear_records() -> None:
     T.full = False
 
 
-def _fail_safe(hook: Any) -> Any:
-    """A torch hook that never breaks the user's run: intended errors pass, ampguard bugs fall back."""
-    import functools
-
-    @functools.wraps(hook)
-    def safe(*args: Any) -> None:
-        try:
-            hook(*args)
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            internal_failure(FEATURE, exc)
-
-    return safe
-
-
 def _norm_status(tensors: list) -> Any:
     """One on-device value that is non-finite iff any element of ``tensors`` is."""
     import torch
@@ -281,8 +226,9 @@ def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, ke
     T.pending.append(_Pending(sink, nan_only, _status(tensor), tensor if keep else weakref.ref(tensor), record))
 
 
-@_fail_safe
+@fail_safe(FEATURE)
 def _forward_pre(module: Any, args: Any) -> None:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     if g is None or _in_worker():
         return
@@ -295,7 +241,7 @@ def _forward_pre(module: Any, args: Any) -> None:
     T.depth += 1
 
 
-@_fail_safe
+@fail_safe(FEATURE)
 def _forward_post(module: Any, args: Any, output: Any) -> None:
     import torch
 
@@ -317,6 +263,7 @@ def _forward_post(module: Any, args: Any, output: Any) -> None:
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     import torch
 
     g = _guard.current(FEATURE)
@@ -370,8 +317,9 @@ def _param_names(params: list) -> dict[int, str]:
     return {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(params)}
 
 
-@_fail_safe
+@fail_safe(FEATURE)
 def _optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     if g is None:
         return
@@ -386,7 +334,7 @@ def _optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     check()
 
 
-@_fail_safe
+@fail_safe(FEATURE)
 def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None:
@@ -394,23 +342,11 @@ def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     params = [p for p in _params_of(optimizer) if p.is_floating_point() and _watched(g, p)]
     if params:
         T.pending.append(_Pending(f"parameters of {g.name_of(optimizer)}", False, _norm_status(params), None,
-                                  None, params=params, hint=_eps_hint(optimizer, params)))
+                                  None, params=params, optimizer=weakref.ref(optimizer)))
         if g.options.trace == "eager":
             check()
     if not T.pending:
         _clear_records()
-
-
-def _eps_hint(optimizer: Any, params: list) -> str:
-    import torch
-
-    eps = optimizer.defaults.get("eps")
-    if isinstance(eps, float) and any(p.dtype == torch.float16 for p in params):
-        if float(torch.tensor(eps, dtype=torch.float16)) == 0.0:
-            return (f"The parameters are float16 and {type(optimizer).__name__}'s eps={eps:g} rounds to 0 in float16, "
-                    "so a zero second moment divides 0 by 0. Fix: eps=1e-4 or larger, or keep fp32 master weights "
-                    "and use autocast.")
-    return ""
 
 
 # -- checking ----------------------------------------------------------------------------
@@ -421,6 +357,7 @@ def _collect() -> list:
 
 def _consume(values: list[float]) -> None:
     """Judge the pending sinks, in the order they were added; raise or warn for the first bad one."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     pending, T.pending = T.pending[:len(values)], T.pending[len(values):]
     T.backward_since_check = False
@@ -439,11 +376,13 @@ _sync.participate(_collect, _consume)
 
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     if T.pending:
         _sync.read([])[1]()
 
 
 def _fail(g: _guard.Guard, p: _Pending, values: list[float] | None) -> None:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     import torch
 
     g.stats.nonfinite_detected += 1
@@ -543,8 +482,10 @@ def _param_error(p: _Pending) -> NonFiniteError:
     when = "before the optimizer step (the step was not taken, the parameters are unchanged)" if is_grad else \
         "after the optimizer step"
     lines = [f"ampguard: {kind} in the {sink} {when}.", f"  {sink}: {_report.describe_tensor(tensor)}"]
-    if p.hint:
-        lines.append("  " + p.hint)
+    optimizer = p.optimizer() if p.optimizer is not None else None
+    hint = eps_message(optimizer) if optimizer is not None and not is_grad else ""
+    if hint:
+        lines.append("  " + hint[0].upper() + hint[1:])
     elif is_grad:
         lines.append("  The backward pass produced it; the loss was finite. Look for ops with unbounded gradients "
                      "(sqrt or pow at 0, log near 0, division by a small value).")

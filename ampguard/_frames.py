@@ -1,0 +1,65 @@
+"""Where the user's code is: frames outside torch, Lightning, pytest, wrapt, the stdlib and ampguard.
+
+Origin tracing records these frames for every op, and every warning ampguard issues points at
+the first of them, so messages name the line the user wrote, not a line inside a library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+from ._errors import AmpGuardWarning
+
+_ROOTS: tuple[str, ...] = ()
+_internal_code: dict[Any, bool] = {}
+
+
+def _internal_roots() -> tuple[str, ...]:
+    global _ROOTS
+    if not _ROOTS:
+        import importlib.util
+        import sysconfig
+
+        roots = [os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["stdlib"]]
+        for name in ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+                     "_pytest", "pluggy", "wrapt"):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                roots.extend(spec.submodule_search_locations)
+        _ROOTS = tuple(os.path.abspath(r) + os.sep for r in roots)
+    return _ROOTS
+
+
+def is_internal(code: Any) -> bool:
+    internal = _internal_code.get(code)
+    if internal is None:
+        filename = code.co_filename
+        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots())
+        _internal_code[code] = internal
+    return internal
+
+
+def user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
+    """Up to ``limit`` (code, lineno) pairs of user frames, innermost first, looking ``budget`` frames up."""
+    out = []
+    while frame is not None and budget and len(out) < limit:
+        code = frame.f_code
+        if not is_internal(code):
+            out.append((code, frame.f_lineno))
+        frame = frame.f_back
+        budget -= 1
+    return tuple(out)
+
+
+def warn_at_user(message: str) -> None:
+    """Issue an AmpGuardWarning attributed to the innermost user frame (file:line the user can open)."""
+    frames = user_frames(sys._getframe(1), limit=1, budget=64)
+    if frames:
+        code, lineno = frames[0]
+        module = code.co_filename.rpartition(os.sep)[2].removesuffix(".py")
+        warnings.warn_explicit(message, AmpGuardWarning, code.co_filename, lineno, module=module)
+    else:
+        warnings.warn(message, AmpGuardWarning, stacklevel=3)

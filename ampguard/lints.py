@@ -1,0 +1,231 @@
+"""AMP lints: mistakes that never crash but quietly make mixed-precision training worse.
+
+Each lint is one ``AmpGuardWarning`` per Guard, attributed to the user's line and naming the
+fix (option ``lint``, default on). Patch targets, each undone by the registry:
+
+- ``GradScaler.scale`` (stacked on the non-finite wrapper): note that this scaler's gradients
+  are scaled in the current iteration, and warn if the latest autocast region entered with grad
+  enabled on the scaler's device since the previous ``scale()`` was bf16. The iteration is
+  identified by the scaler's ``_per_optimizer_states`` object, which every ``update()``
+  replaces, so no wrapper on ``update()`` is needed.
+- ``GradScaler.unscale_``: remember which optimizer this iteration unscaled (a weak reference;
+  its parameters are only looked at if a clip happens).
+- ``clip_grad_norm_`` / ``clip_grad_value_`` in ``torch.nn.utils.clip_grad`` and the
+  ``torch.nn.utils`` re-export: warn when a parameter with a gradient belongs to no unscaled
+  optimizer while a scaler's iteration is open. Lightning unscales before it clips, so its
+  ``gradient_clip_val`` never warns.
+- ``autocast.__enter__``: remember, per thread, the dtype of the latest enabled autocast
+  region entered with grad enabled, for each device type (evaluation under no_grad is ignored).
+- A global optimizer step pre-hook (on only while ``lint`` is): at an optimizer's first step,
+  warn when float16 parameters have an ``eps`` that rounds to 0 in float16.
+
+Not a lint on purpose: ``scheduler.step()`` before any optimizer step with no scaler involved.
+PyTorch already warns about it, and ampguard's scheduler holding never touches such a
+scheduler, so the user sees PyTorch's one warning and not a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+import weakref
+from typing import Any
+
+from . import _guard
+from ._errors import AmpGuardWarning
+from ._frames import warn_at_user
+from ._guard import ObjectState, fail_safe, internal_failure
+from ._patching import REGISTRY, Switch, Target
+
+FEATURE = "lint"
+
+
+def eps_rounds_to_zero(eps: Any) -> bool:
+    """Whether a positive ``eps`` becomes exactly 0 in float16 (anything below 2**-25)."""
+    return isinstance(eps, float) and eps > 0 and struct.unpack("e", struct.pack("e", eps))[0] == 0.0
+
+
+@dataclasses.dataclass
+class _Iteration:
+    token: Any = None  # the scaler's _per_optimizer_states when scale() was called
+    unscaled: list = dataclasses.field(default_factory=list)  # weakrefs to optimizers unscale_()d since
+
+
+class _State:
+    def __init__(self) -> None:
+        self.iterations: ObjectState[_Iteration] = ObjectState(lambda _: _Iteration())
+        self.scalers: list[weakref.ref] = []
+        self.stepped: ObjectState[bool] = ObjectState(lambda _: True)
+        self.warned: set[str] = set()
+
+
+def _state(g: _guard.Guard) -> _State:
+    return g.feature_state(FEATURE, _State)
+
+
+class _Autocast(threading.local):
+    def __init__(self) -> None:
+        # device type -> (guard, dtype) of the latest autocast region entered with grad enabled
+        # since the previous GradScaler.scale() on this thread
+        self.latest: dict[str, Any] = {}
+
+
+_AUTOCAST = _Autocast()
+
+
+def _warn_once(g: _guard.Guard, lint: str, message: str) -> None:
+    warned = _state(g).warned
+    if lint not in warned:
+        warned.add(lint)
+        warn_at_user(message)
+
+
+# -- GradScaler.scale / unscale_ -------------------------------------------------------------
+def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    out = wrapped(*args, **kwargs)
+    g = _guard.current(FEATURE)
+    if g is None or not getattr(instance, "_enabled", False):
+        return out
+    try:
+        state = _state(g)
+        record = state.iterations.get(instance)
+        if record is None:
+            record = state.iterations.set(instance, _Iteration())
+            state.scalers = [r for r in state.scalers if r() is not None] + [weakref.ref(instance)]
+        token = instance._per_optimizer_states
+        if record.token is not token:
+            record.token, record.unscaled = token, []
+        device = getattr(instance, "_device", "cuda")
+        latest, _AUTOCAST.latest = _AUTOCAST.latest, {}  # each scale() judges the regions since the last one
+        if latest.get(device) == (g, _bf16()):
+            _warn_once(g, "bf16", (
+                f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 has "
+                "float32's exponent range, so its gradients do not underflow and loss scaling only adds a host-device "
+                "sync and skipped steps. Fix: drop the GradScaler (call loss.backward() and optimizer.step()), or "
+                "GradScaler(enabled=False)."))
+    except AmpGuardWarning:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return out
+
+
+def _scaler_unscale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    out = wrapped(*args, **kwargs)
+    g = _guard.current(FEATURE)
+    if g is not None:
+        try:
+            record = _state(g).iterations.get(instance)
+            if record is not None and record.token is instance._per_optimizer_states:
+                record.unscaled.append(weakref.ref(args[0] if args else kwargs["optimizer"]))
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
+    return out
+
+
+def _bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+# -- clip_grad_norm_ / clip_grad_value_ ------------------------------------------------------
+def _clip(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    g = _guard.current(FEATURE)
+    if g is None:
+        return wrapped(*args, **kwargs)
+    try:
+        import torch
+
+        args, kwargs = list(args), dict(kwargs)
+        where = (args, 0) if args else (kwargs, "parameters")
+        params = where[0][where[1]]
+        if not isinstance(params, torch.Tensor):
+            params = where[0][where[1]] = list(params)  # a generator can be read once: keep it for the clip
+        _check_clip(g, [params] if isinstance(params, torch.Tensor) else params, wrapped.__name__)
+    except AmpGuardWarning:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return wrapped(*args, **kwargs)
+
+
+def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
+    state = _state(g)
+    if "clip" in state.warned:
+        return
+    for ref in state.scalers:
+        scaler = ref()
+        record = state.iterations.get(scaler) if scaler is not None else None
+        if record is None or record.token is not scaler._per_optimizer_states or not scaler._enabled:
+            continue  # no loss scaled by this scaler since its last update()
+        unscaled = {id(p) for r in record.unscaled if (opt := r()) is not None
+                    for group in opt.param_groups for p in group["params"]}
+        if any(p.grad is not None and id(p) not in unscaled for p in params):
+            _warn_once(g, "clip", (
+                f"ampguard: torch.nn.utils.{name} was called on gradients that a GradScaler has scaled and not yet "
+                f"unscaled in this iteration, so the threshold is compared with gradients multiplied by the loss "
+                f"scale ({scaler.get_scale():g}) and clipping is far too strong, or never happens. Fix: call "
+                "scaler.unscale_(optimizer) right before clipping."))
+            return
+
+
+# -- autocast.__enter__ -------------------------------------------------------------------
+def _autocast_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    out = wrapped(*args, **kwargs)
+    g = _guard.current(FEATURE)
+    if g is not None and getattr(instance, "_enabled", False):
+        import torch
+
+        if torch.is_grad_enabled():  # a training forward; evaluation under no_grad says nothing about the loss
+            _AUTOCAST.latest[getattr(instance, "device", "cuda")] = (g, getattr(instance, "fast_dtype", None))
+    return out
+
+
+# -- the first optimizer step ------------------------------------------------------------
+@fail_safe(FEATURE)
+def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    g = _guard.current(FEATURE)
+    if g is None:
+        return
+    stepped = _state(g).stepped
+    if stepped.get(optimizer):
+        return
+    stepped.of(optimizer)
+    message = eps_message(optimizer)
+    if message:
+        _warn_once(g, "eps", f"ampguard: {g.name_of(optimizer)}: {message}")
+
+
+def eps_message(optimizer: Any) -> str:
+    """Why and how to fix an optimizer whose float16 parameters meet an ``eps`` that rounds to 0."""
+    import torch
+
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        if eps_rounds_to_zero(eps) and any(p.dtype == torch.float16 for p in group["params"]):
+            return (f"the parameters are float16 and {type(optimizer).__name__}'s eps={eps:g} rounds to 0 in float16, "
+                    "so wherever a second moment is 0 the update divides 0 by 0 and the parameters become NaN. Fix: "
+                    "eps=1e-4 or larger, or keep float32 master weights (model.float()) and train under "
+                    "torch.autocast.")
+    return ""
+
+
+def _switch_first_step() -> Any:
+    from torch.optim import optimizer as optim_module
+
+    return optim_module.register_optimizer_step_pre_hook(_first_step).remove
+
+
+for _owner, _name, _wrapper, _why in (
+    ("torch.amp.grad_scaler:GradScaler", "scale", _scaler_scale, "open the scaler's iteration; bf16 autocast lint"),
+    ("torch.amp.grad_scaler:GradScaler", "unscale_", _scaler_unscale, "note which optimizer was unscaled"),
+    ("torch.nn.utils.clip_grad", "clip_grad_norm_", _clip, "warn when clipping still-scaled gradients"),
+    ("torch.nn.utils.clip_grad", "clip_grad_value_", _clip, "warn when clipping still-scaled gradients"),
+    ("torch.nn.utils", "clip_grad_norm_", _clip, "the same, for the torch.nn.utils re-export"),
+    ("torch.nn.utils", "clip_grad_value_", _clip, "the same, for the torch.nn.utils re-export"),
+    ("torch.amp.autocast_mode:autocast", "__enter__", _autocast_enter, "remember the autocast dtype per device"),
+):
+    REGISTRY.add(Target("torch", _owner, _name, _wrapper, _why))
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_first_step, "first optimizer step: the fp16 eps lint"))

@@ -1,0 +1,205 @@
+"""Each AMP lint fires once in the bad case, at the user's line, and stays silent in the correct one."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from loops import data, model
+
+import ampguard
+
+
+def ours(caught):
+    return [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+
+
+def scaled_iteration(m, opt, scaler, *, unscale: bool, clip=None, params=None):
+    scaler.scale(m(data(0)[0]).pow(2).mean()).backward()
+    if unscale:
+        scaler.unscale_(opt)
+    clip = clip or torch.nn.utils.clip_grad_norm_  # looked up now: a name bound before install() is not wrapped
+    clip(m.parameters() if params is None else params, 1.0)  # CLIP LINE
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("clip", [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_value_],
+                         ids=["clip_grad_norm_", "clip_grad_value_"])
+def test_clipping_still_scaled_gradients_warns_once_at_the_call(clip):
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            scaled_iteration(m, opt, scaler, unscale=False, clip=getattr(torch.nn.utils, clip.__name__))
+    found = ours(caught)
+    assert len(found) == 1
+    message = str(found[0].message)
+    assert f"torch.nn.utils.{clip.__name__} was called on gradients that a GradScaler has scaled" in message
+    assert "scaler.unscale_(optimizer)" in message and "65536" in message
+    assert found[0].filename == __file__
+
+
+def test_clipping_after_unscale_is_silent_and_clips_the_same():
+    ampguard.install()
+    m, ref = model(), model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for net in (m, ref):
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            scaled_iteration(net, opt, torch.amp.GradScaler("cpu"), unscale=True,
+                             params=(p for p in net.parameters()))  # a generator: read once, still clipped
+            ampguard.uninstall()
+    assert ours(caught) == []
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters(), strict=True))
+
+
+def test_clipping_without_a_scaler_or_after_update_is_silent():
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaled_iteration(m, opt, scaler, unscale=True)
+        m(data(1)[0]).sum().backward()  # an unscaled backward after update(): the iteration is over
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    assert ours(caught) == []
+
+
+def test_lightning_gradient_clip_val_under_16_mixed_does_not_warn():
+    L = pytest.importorskip("lightning.pytorch")
+    from test_lightning import fit, module_class
+
+    ampguard.install()
+    precision = importlib.import_module("lightning.pytorch.plugins.precision")
+    plugin = precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _, found = fit(L, module_class(L)(), plugins=[plugin], gradient_clip_val=0.5)
+    assert found == []
+    # and the lint is live in that process: a hand-written loop without unscale_ warns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = model()
+        scaled_iteration(m, torch.optim.SGD(m.parameters(), lr=0.1), torch.amp.GradScaler("cpu"), unscale=False)
+    assert len(ours(caught)) == 1
+
+
+def fp16_adam_step(eps, dtype=torch.float16):
+    m = torch.nn.Linear(4, 1).to(dtype)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=eps)
+    for _ in range(2):
+        m(torch.ones(2, 4, dtype=dtype)).sum().backward()
+        opt.step()  # STEP LINE
+        opt.zero_grad()
+
+
+def test_fp16_parameters_with_an_eps_that_rounds_to_zero_warn_at_the_first_step():
+    ampguard.install(nonfinite="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp16_adam_step(1e-8)
+    found = ours(caught)
+    assert len(found) == 1
+    message = str(found[0].message)
+    assert "Adam#0: the parameters are float16 and Adam's eps=1e-08 rounds to 0 in float16" in message
+    assert "eps=1e-4 or larger" in message and "float32 master weights" in message
+    assert found[0].filename == __file__
+
+
+@pytest.mark.parametrize(("eps", "dtype"), [(1e-4, torch.float16), (1e-8, torch.float32), (1e-8, torch.bfloat16)])
+def test_a_safe_eps_or_dtype_does_not_warn(eps, dtype):
+    ampguard.install(nonfinite="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp16_adam_step(eps, dtype)
+    assert ours(caught) == []
+
+
+def test_eps_rounding_is_decided_exactly():
+    from ampguard.lints import eps_rounds_to_zero
+
+    assert eps_rounds_to_zero(1e-8) and eps_rounds_to_zero(2.0**-25)
+    assert not eps_rounds_to_zero(2.0**-24) and not eps_rounds_to_zero(1e-6) and not eps_rounds_to_zero(0.0)
+    assert float(torch.tensor(2.0**-25, dtype=torch.float16)) == 0.0
+    assert float(torch.tensor(2.0**-24, dtype=torch.float16)) > 0.0
+
+
+def autocast_iteration(m, opt, scaler, dtype):
+    with torch.autocast("cpu", dtype=dtype):
+        loss = m(data(0)[0]).float().pow(2).mean()
+    scaler.scale(loss).backward()  # SCALE LINE
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_grad_scaler_with_bf16_autocast_warns_once():
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            autocast_iteration(m, opt, scaler, torch.bfloat16)
+    found = ours(caught)
+    assert len(found) == 1
+    assert "GradScaler('cpu') scales a loss computed under bfloat16 autocast" in str(found[0].message)
+    assert "drop the GradScaler" in str(found[0].message)
+    assert found[0].filename == __file__
+
+
+def test_grad_scaler_with_fp16_autocast_or_after_bf16_evaluation_is_silent():
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autocast_iteration(m, opt, scaler, torch.float16)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(data(1)[0])  # evaluation in bf16
+        scaler.scale(m(data(2)[0]).sum()).backward()  # an fp32 step after it
+        scaler.step(opt)
+        scaler.update()
+    assert ours(caught) == []
+
+
+def test_scheduler_step_before_any_optimizer_step_keeps_pytorchs_one_warning():
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+        opt.step()
+    assert [w.category for w in caught] == [UserWarning]
+    assert "before `optimizer.step()`" in str(caught[0].message)
+
+
+def test_lint_off_silences_every_lint():
+    ampguard.install(lint=False, nonfinite="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        scaled_iteration(m, opt, scaler, unscale=False)
+        autocast_iteration(m, opt, scaler, torch.bfloat16)
+        fp16_adam_step(1e-8)
+    assert ours(caught) == []
+
+
+def test_lints_under_warnings_as_errors_raise_at_the_user_line():
+    ampguard.install(nonfinite="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ampguard.AmpGuardWarning)
+        with pytest.raises(ampguard.AmpGuardWarning, match="rounds to 0"):
+            fp16_adam_step(1e-8)
+    assert ampguard.active().options.lint  # an error the user asked for is not an internal failure
+    assert "lint" not in ampguard.active()._disabled
