@@ -1,7 +1,8 @@
-"""``python -m ampguard script.py [args]`` and ``python -m ampguard -m package.module [args]``.
+"""``python -m ampguard script.py [args]``, ``-m package.module [args]``, and ``doctor``.
 
 Runs the program with the guard installed. ``sys.argv``, ``__name__ == "__main__"`` and the
-exit code behave as under plain ``python``.
+exit code behave as under plain ``python``; the exit report follows the program's output.
+``doctor`` prints what ampguard would do here (run a script called ``doctor`` as ``./doctor``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import sys
 USAGE = """\
 usage: python -m ampguard script.py [args ...]
        python -m ampguard -m package.module [args ...]
+       python -m ampguard doctor
 
-Runs a Python program with ampguard installed. Options come from AMPGUARD_* environment
-variables (see README.md), for example AMPGUARD_MAX_CONSECUTIVE_SKIPS=50."""
+Runs a Python program with ampguard installed, or (doctor) prints the versions, the start-up
+hook, the options and the patch targets of this environment; exit code 1 if something is wrong.
+Options come from AMPGUARD_* environment variables (see README.md), for example
+AMPGUARD_MAX_CONSECUTIVE_SKIPS=50."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "doctor":
+        from ._doctor import run
+
+        return run()
     if argv[0] == "-m" and len(argv) < 2:
         print("ampguard: -m needs a module name\n" + USAGE, file=sys.stderr)
         return 2

@@ -44,3 +44,8 @@ class NonFiniteError(AmpGuardError, FloatingPointError):
         self.module = module
         self.origin = origin
         self.chain = chain or []
+
+
+# Tracebacks and pickles name the public path (ampguard.NonFiniteError), where users import them from.
+for _cls in (AmpGuardError, ConfigError, LossScaleCollapseError, AmpGuardWarning, NonFiniteError):
+    _cls.__module__ = "ampguard"

@@ -12,6 +12,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -143,7 +145,7 @@ class Guard:
 
     def report(self) -> str:
         s = self.stats
-        lines = ["ampguard report"]
+        lines = ["ampguard report" + _rank_label()]
         lines.append(f"  optimizer steps: {s.optimizer_steps_applied} applied, "
                      f"{s.optimizer_steps_skipped} skipped by GradScaler (inf/NaN gradients)")
         lines.append(f"  scheduler steps held: {s.scheduler_steps_held}")
@@ -159,6 +161,18 @@ class Guard:
 
     def __repr__(self) -> str:
         return f"<ampguard.Guard {self.options}>"
+
+
+def _rank_label() -> str:
+    """`` (rank 1 of 2)`` in a distributed run, so the reports of several processes can be told apart."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
+    except Exception:
+        pass
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return f" (rank {rank} of {world})" if rank is not None and world not in (None, "1") else ""
 
 
 # -- installation state ------------------------------------------------------------------

@@ -1,7 +1,13 @@
-"""Activation without editing the script: ``AMPGUARD=1`` and ``python -m ampguard``."""
+"""Activation without editing the script: ``AMPGUARD=1`` and ``python -m ampguard``.
+
+A guard installed this way prints ``Guard.report()`` to stderr at interpreter exit when
+anything happened (a skipped step, a held scheduler step, an injected closure, a detection),
+because nobody edited the script to print it. ``AMPGUARD_REPORT=0`` silences it.
+"""
 
 from __future__ import annotations
 
+import atexit
 import sys
 
 from . import _guard, _options
@@ -14,8 +20,20 @@ def activate_from_env(source: str = "AMPGUARD=1") -> _guard.Guard | None:
         if source == "AMPGUARD=1" and not _options.env_flag("AMPGUARD", False):
             return None
         _options.from_environ()  # validate every variable before touching anything
+        report = _options.env_flag("AMPGUARD_REPORT", True)
         g = _guard.install()
     except ConfigError as exc:
         print(f"{exc} -- running without ampguard", file=sys.stderr)
         return None
+    if report:
+        atexit.register(report_at_exit, g)
     return g
+
+
+def report_at_exit(g: _guard.Guard) -> None:
+    """Print the report of the guard the environment installed, if there is anything to report."""
+    try:
+        if g.stats.anything_happened():
+            print(g.report(), file=sys.stderr, flush=True)
+    except Exception:  # interpreter shutdown: never turn a clean exit into a traceback
+        pass

@@ -130,3 +130,75 @@ def test_startup_hook_never_breaks_startup(python, tmp_path):
     proc = python("print('still running')", env={"AMPGUARD": "1", "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0 and "still running" in proc.stdout
     assert "start-up hook failed" in proc.stderr
+
+
+def test_exit_report_after_something_happened(python, script):
+    proc = python(None, str(script), env={"AMPGUARD": "1"})
+    assert proc.returncode == 0
+    report = proc.stderr[proc.stderr.index("ampguard report"):].splitlines()
+    assert report[1] == "  optimizer steps: 2 applied, 1 skipped by GradScaler (inf/NaN gradients)"
+    assert report[2] == "  scheduler steps held: 1"
+    assert report[3].startswith("  loss scale: last 32768 (range 32768 .. 65536)")
+    assert len(report) <= 8
+
+
+def test_exit_report_also_under_python_m_ampguard_and_silenced_by_ampguard_report_0(python, script):
+    assert "ampguard report" in python(None, "-m", "ampguard", str(script)).stderr
+    assert "ampguard report" not in python(None, str(script), env={"AMPGUARD": "1", "AMPGUARD_REPORT": "0"}).stderr
+    bad = python(None, str(script), env={"AMPGUARD": "1", "AMPGUARD_REPORT": "loud"})
+    assert "environment variable AMPGUARD_REPORT got 'loud'; accepted values: 1/0" in bad.stderr
+    assert "epoch 3" in bad.stdout  # ran, unguarded
+
+
+def test_no_exit_report_when_nothing_happened_or_when_installed_in_code(python, tmp_path):
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import torch\nm = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n")
+    proc = python(None, str(quiet), env={"AMPGUARD": "1"})
+    assert proc.returncode == 0 and proc.stderr == ""
+    in_code = python("""
+        import torch, ampguard
+        g = ampguard.install()
+        g.stats.optimizer_steps_skipped = 1  # something happened, but the script installed the guard itself
+    """)
+    assert in_code.returncode == 0 and "ampguard report" not in in_code.stderr
+
+
+def test_doctor_reports_versions_hook_options_targets_and_devices(python):
+    proc = python(None, "-m", "ampguard", "doctor", env={"AMPGUARD_TRACE": "eager"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for fragment in ("ampguard           0.1.0", "torch              2.", "wrapt              2.",
+                     "ampguard.pth: installed in", "AMPGUARD: not set",
+                     "trace                  = 'eager'      (AMPGUARD_TRACE)",
+                     "schedulers             = True         (default)",
+                     "CUDA available: False",
+                     "torch.amp.grad_scaler.GradScaler.update: read found_inf",
+                     "overridden by: torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+                     "torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.SequentialLR",
+                     "lightning.pytorch.core.module.LightningModule.optimizer_step: give an override",
+                     "all is well"):
+        assert fragment in out, fragment
+
+
+def test_doctor_exits_1_with_the_reason_for_a_bad_variable(python):
+    proc = python(None, "-m", "ampguard", "doctor", env={"AMPGUARD_NONFINITE": "explode"})
+    assert proc.returncode == 1
+    reason = "  - ampguard: environment variable AMPGUARD_NONFINITE got 'explode'; accepted values: 'raise'"
+    assert reason in proc.stdout
+
+
+def test_doctor_exits_1_where_ampguard_is_not_installed(tmp_path):
+    # The base interpreter of this venv, with ampguard's source on the path but not installed:
+    # no torch, and no start-up hook file in its site-packages.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPGUARD", "PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = root
+    proc = subprocess.run([sys._base_executable, "-m", "ampguard", "doctor"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "torch is not installed; ampguard needs torch >= 2.4" in proc.stdout
+    assert "ampguard.pth is not in any site-packages of this interpreter, so AMPGUARD=1 does nothing" in proc.stdout

@@ -21,3 +21,16 @@ def test_lightning_warmup_example(python):
     assert "training_step ran 40 times for 40 optimizer steps" in proc.stdout
     assert "closures injected by ampguard: 40" in proc.stdout
     assert "optimizer.step(closure=optimizer_closure)" in proc.stderr
+
+
+def test_find_nan_example(python):
+    proc = python(None, str(EXAMPLES / "find_nan.py"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "trained on without an error; a parameter sum is now nan" in out
+    installed, env = out.split("== AMPGUARD=1")
+    assert "It was created by torch.log (output -inf, all inputs finite) at" in installed
+    assert "find_nan.py:29 in train" in installed and "It became nan in Tensor.mul" in installed
+    assert "err.op = 'torch.log', err.kind = 'nan', err.origin[-1].lineno = 29" in installed
+    assert "exit code 1" in env and "ampguard.NonFiniteError: ampguard: NAN reached the loss." in env
+    assert "find_nan.py:29 in train" in env and "non-finite values detected: 1" in env
