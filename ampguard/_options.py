@@ -129,6 +129,15 @@ _spec(
 )
 
 _spec(
+    "distributed",
+    True,
+    "True or False (env: 1/0, true/false, yes/no, on/off)",
+    _check_bool,
+    _env_bool,
+    "In a distributed run (torch.distributed initialized, world size > 1), all-reduce GradScaler's skip "
+    "decisions once per update() so every rank holds identically, and raise AmpGuardError where ranks disagree.",
+)
+_spec(
     "closures",
     True,
     "True or False (env: 1/0, true/false, yes/no, on/off)",
@@ -190,6 +199,7 @@ class Options:
 
     schedulers: bool = True
     max_consecutive_skips: int | None = 32
+    distributed: bool = True
     closures: bool = True
     lint: bool = True
     nonfinite: str = "raise"

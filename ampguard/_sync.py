@@ -21,31 +21,35 @@ def participate(collect: Callable[[], list], consume: Callable[[list[float]], No
 def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], None]]:
     """Read ``own`` and every participant's waiting tensors in one transfer.
 
-    Returns the values of ``own`` and ``settle``, which hands each participant its values.
-    ``settle`` may raise an intended error (NonFiniteError), so call it once the caller's own
-    bookkeeping is done.
+    Returns the values of ``own`` (every element of each tensor, in order) and ``settle``, which
+    hands each participant its values. ``settle`` may raise an intended error (NonFiniteError),
+    so call it once the caller's own bookkeeping is done.
     """
     import torch
 
     parts = list(own)
+    n_own = sum(t.numel() for t in parts)
     shares = []
+    offset = n_own
     for collect, consume in _participants:
         tensors = collect()
         if tensors:
-            shares.append((consume, len(parts), len(tensors)))
+            shares.append((consume, offset, len(tensors)))
+            offset += len(tensors)  # participants' statuses are single values
             parts.extend(tensors)
     if not parts:
         return [], _nothing
     if device is None:
         device = parts[0].device
-    values = torch.stack([t if t.device == device else t.to(device, non_blocking=True) for t in parts]).tolist()
+    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1).float() for t in parts]
+    values = torch.cat(flat).tolist()
 
     def settle() -> None:
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
         for consume, start, n in shares:
             consume(values[start:start + n])
 
-    return values[:len(own)], settle
+    return values[:n_own], settle
 
 
 def _nothing() -> None:

@@ -122,6 +122,8 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> float | None:
     """Read the pending optimizers' found_inf and the scale, in one transfer; count the steps.
 
+    In a distributed run every rank's found_inf goes through one all-reduce first, so every rank
+    takes the same decision, and ranks that disagree raise AmpGuardError together.
     Returns the value of ``extra`` (a tensor ``new_scale``) when one is given.
     """
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
@@ -129,25 +131,32 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     if not pending and extra is None:
         return None
     scale = scaler._scale
-    own = [t for p in pending for t in p.found_inf]
+    ranks = _ranks(g, scaler) if pending else None
+    if ranks is None:
+        own = [t for p in pending for t in p.found_inf]
+    else:
+        own = [_all_ranks_skips(ranks, pending, scale.device)]
     own.append(scale)
     if extra is not None:
         own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
     values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
+    if ranks is None:
+        found, i = [], 0
+        for p in pending:
+            found.append(sum(values[i:i + len(p.found_inf)]))
+            i += len(p.found_inf)
+    else:
+        found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
     stats = g.stats
     table = optimizers(g)
     owners = tables(g).pending_owner
-    i = 0
-    for p in pending:
-        n = len(p.found_inf)
-        found = sum(values[i:i + n])
-        i += n
+    for p, found_inf in zip(pending, found, strict=True):
         optimizer = p.optimizer()
         if optimizer is None:
             continue
         owners.pop(optimizer)
         opt_record = table.of(optimizer)
-        if found != 0:
+        if found_inf != 0:
             opt_record.skipped += 1
             stats.optimizer_steps_skipped += 1
             record.iteration_skipped.append(g.name_of(optimizer))
@@ -158,6 +167,73 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         record.iteration_scale = values[i]
     settle()  # the other features' checks that rode on this read; may raise NonFiniteError
     return values[-1] if extra is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranks:
+    dist: Any
+    group: Any  # the scaler's process group (ShardedGradScaler's), None for the default one
+    rank: int
+    world: int
+
+
+def _ranks(g: Guard, scaler: Any) -> _Ranks | None:
+    """The process group whose ranks must agree, or None outside a distributed run."""
+    if not g.options.distributed:
+        return None
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = getattr(scaler, "process_group", None)
+    world = dist.get_world_size(group)
+    return _Ranks(dist, group, dist.get_rank(group), world) if world > 1 else None
+
+
+def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any) -> Any:
+    """A (world, optimizers) tensor of every rank's found_inf sums: one tiny all-reduce, no host sync."""
+    import torch
+
+    if device.type == "cpu" and "nccl" in str(ranks.dist.get_backend(ranks.group)) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    zero = torch.zeros((), device=device)
+    mine = [sum((t.to(device).reshape(()) for t in p.found_inf), zero) for p in pending]
+    table = torch.zeros(ranks.world, len(pending), device=device)
+    table[ranks.rank] = torch.stack(mine)
+    ranks.dist.all_reduce(table, group=ranks.group)  # every rank's row lands everywhere
+    return table
+
+
+def _agreed_skips(g: Guard, ranks: _Ranks, pending: list[_PendingStep], values: list[float]) -> list[float]:
+    """Per optimizer, whether every rank skipped; AmpGuardError on every rank if they disagree."""
+    n = len(pending)
+    found = []
+    for j, p in enumerate(pending):
+        per_rank = [values[r * n + j] for r in range(ranks.world)]
+        skipped = [r for r, v in enumerate(per_rank) if v != 0]
+        if skipped and len(skipped) < ranks.world:
+            applied = [r for r, v in enumerate(per_rank) if v == 0]
+            raise _disagreement(g, ranks, p, skipped, applied)
+        found.append(1.0 if skipped else 0.0)
+    return found
+
+
+def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], applied: list[int]) -> AmpGuardError:
+    optimizer = p.optimizer()
+    name = g.name_of(optimizer) if optimizer is not None else "an optimizer"
+    if ranks.group is not None:  # name global ranks, the ones users see in their logs
+        members = ranks.dist.get_process_group_ranks(ranks.group)
+        skipped, applied = [members[r] for r in skipped], [members[r] for r in applied]
+    return AmpGuardError(
+        f"ampguard: the ranks disagree on GradScaler's skip decision for {name}: rank(s) {skipped} skipped the step "
+        f"(inf/NaN gradients) while rank(s) {applied} applied it.\n"
+        "  The parameters have diverged across ranks: from here on every rank trains a different model, and the "
+        "loss scales differ too.\n"
+        "  This happens when found_inf is not all-reduced across ranks, for example ShardedGradScaler with a fused "
+        "optimizer (its step() checks infs per device without an all-reduce), or a scaler whose gradients are not "
+        "synchronised by DDP/FSDP.\n"
+        "  Fix: use a non-fused optimizer with ShardedGradScaler (its unscale_(), which step() calls for them, "
+        "all-reduces found_inf), then resume from the last checkpoint. If the ranks train independent models on "
+        "purpose, install with distributed=False.")
 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:

@@ -1,0 +1,126 @@
+"""Runs one distributed scenario on 2 gloo ranks (CPU) and prints every rank's results as JSON.
+
+``python tests/dist_worker.py SCENARIO PORT``. torch is imported once, then the ranks are forked,
+so a scenario costs one interpreter start-up and stays within a few seconds.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def lam(step):
+    return 1.0 / (step + 1)
+
+
+def ddp_scaler(rank):
+    """DDP all-reduces gradients, so inf on one rank reaches both: both skip and hold alike."""
+    import ampguard
+
+    g = ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    scaler = torch.amp.GradScaler("cpu")
+    it = [0]
+    if rank == 1:
+        model.module.weight.register_hook(lambda grad: grad * float("inf") if it[0] in (0, 3) else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            it[0] = i
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+    s = g.stats
+    return {"last_epoch": sched.last_epoch, "lr": opt.param_groups[0]["lr"], "skipped": s.optimizer_steps_skipped,
+            "applied": s.optimizer_steps_applied, "held": s.scheduler_steps_held, "scale": scaler.get_scale(),
+            "weight": model.module.weight.detach().tolist(),
+            "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]}
+
+
+def sharded_loop(rank, fused=True, steps=3):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=fused, foreach=None if fused else True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    scaler = ShardedGradScaler("cpu")
+    it = [0]
+    if rank == 1:
+        m.weight.register_hook(lambda grad: grad * float("inf") if it[0] == 1 else None)
+    for i in range(steps):
+        it[0] = i
+        scaler.scale(m(torch.ones(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    return {"scale": scaler.get_scale(), "weight": m.weight.detach().tolist(), "last_epoch": sched.last_epoch}
+
+
+def sharded_fused(rank):
+    """ShardedGradScaler + fused AdamW does not all-reduce found_inf: without ampguard the ranks diverge."""
+    import ampguard
+
+    out = {"plain": sharded_loop(rank)}
+    with ampguard.guard(distributed=False):
+        out["distributed_off"] = sharded_loop(rank)
+    with ampguard.guard() as g:
+        try:
+            sharded_loop(rank)
+            out["error"] = None
+        except ampguard.AmpGuardError as err:
+            out["error"] = str(err)
+            out["error_type"] = type(err).__name__
+        out["skipped"] = g.stats.optimizer_steps_skipped
+        out["applied"] = g.stats.optimizer_steps_applied
+    with ampguard.guard() as g:
+        out["fixed"] = sharded_loop(rank, fused=False)  # the fix the error names
+        out["fixed_held"] = g.stats.scheduler_steps_held
+    return out
+
+
+SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused}
+
+
+def worker(rank, scenario, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        result = SCENARIOS[scenario](rank)
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main():
+    scenario, port = sys.argv[1], int(sys.argv[2])
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(worker, args=(scenario, port, out_dir), nprocs=WORLD, start_method="fork")
+        results = []
+        for r in range(WORLD):
+            with open(os.path.join(out_dir, f"{r}.json")) as f:
+                results.append(json.load(f))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

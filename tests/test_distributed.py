@@ -1,0 +1,109 @@
+"""Distributed runs on 2 gloo ranks (CPU): every rank takes the same decision, disagreement is an error."""
+
+import json
+import pathlib
+import socket
+import textwrap
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(python, scenario):
+    proc = python(None, str(HERE / "dist_worker.py"), scenario, str(free_port()), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in ranks:
+        assert "crash" not in r, r.get("crash")
+    return ranks
+
+
+def test_ddp_with_a_grad_scaler_holds_identically_on_every_rank(python):
+    r0, r1 = run_ranks(python, "ddp_scaler")
+    assert r0 == r1  # same last_epoch, LR, stats, scale and parameters
+    assert r0["skipped"] == 2 and r0["held"] == 2 and r0["applied"] == 4
+    assert r0["last_epoch"] == 4  # 6 iterations, 2 skipped on both ranks (DDP all-reduced rank 1's inf)
+    assert r0["scheduler_warnings"] == []
+
+
+def test_sharded_grad_scaler_disagreement_raises_on_every_rank(python):
+    r0, r1 = run_ranks(python, "sharded_fused")
+    # without ampguard (and with distributed=False) the ranks silently diverge
+    for run in ("plain", "distributed_off"):
+        assert r0[run]["scale"] == 65536.0 and r1[run]["scale"] == 32768.0
+        assert r0[run]["weight"] != r1[run]["weight"]
+    # with ampguard both ranks stop at the same update() with the same message
+    assert r0["error_type"] == r1["error_type"] == "AmpGuardError"
+    assert r0["error"] == r1["error"]
+    assert "rank(s) [1] skipped the step (inf/NaN gradients) while rank(s) [0] applied it" in r0["error"]
+    assert "The parameters have diverged across ranks" in r0["error"]
+    assert r0["skipped"] == r1["skipped"] == 0  # nothing was counted from the disputed step
+    # the fix the message names: a non-fused optimizer, whose unscale_() all-reduces found_inf
+    assert r0["fixed"] == r1["fixed"]
+    assert r0["fixed"]["scale"] == 32768.0 and r0["fixed"]["last_epoch"] == 2
+    assert r0["fixed_held"] == r1["fixed_held"] == 1
+
+
+LIGHTNING_DDP = """
+import os, torch, lightning.pytorch as L
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+        self.n = 0
+        self.layer.weight.register_hook(lambda g: g * float("inf") if self.n in (1, 3) else None)
+
+    def training_step(self, batch, i):
+        self.n += 1
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        for group in optimizer.param_groups:  # the seed: LR warm-up, and the closure forgotten
+            group["lr"] = group["lr"] * min(1.0, (self.trainer.global_step + 1) / 2)
+        optimizer.step()
+
+m = Model()
+trainer = L.Trainer(max_epochs=1, strategy="ddp", accelerator="cpu", devices=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=16.0))])
+trainer.fit(m, DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+import ampguard
+g = ampguard.active()
+s = g.stats
+sched = trainer.lr_scheduler_configs[0].scheduler
+with open(f"rank{trainer.global_rank}.txt", "w") as f:  # one file a rank: their stdouts interleave
+    print(trainer.global_rank, m.n, s.closures_injected, s.optimizer_steps_skipped, s.scheduler_steps_held,
+          sched.last_epoch, m.layer.weight.detach().sum().item(), file=f)
+"""
+
+
+def test_lightning_ddp_strategy_under_ampguard_env_reaches_both_ranks(python, tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    script = tmp_path / "train_ddp.py"
+    script.write_text(textwrap.dedent(LIGHTNING_DDP))
+    proc = python(None, str(script), env={"AMPGUARD": "1", "MASTER_PORT": str(free_port())}, timeout=240,
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]  # the worker Lightning started ran
+    assert [r[0] for r in rows] == ["0", "1"]
+    # 4 batches per rank: training_step ran 4 times, 4 closures injected, 2 skips, 2 held, 2 scheduler steps
+    assert rows[0][1:6] == rows[1][1:6] == ["4", "4", "2", "2", "2"]
+    assert rows[0][6] == rows[1][6]  # the same weights on both ranks
+    assert "optimizer.step(closure=optimizer_closure)" in proc.stderr
+    assert proc.stderr.count("ampguard report (rank") == 2
