@@ -95,7 +95,35 @@ def sharded_fused(rank):
     return out
 
 
-SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused}
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sqrt(self.fc(x) - 100.0)  # NaN on every rank
+
+
+def ddp_nan_origin(rank):
+    """A NaN inside the module DDP wraps is traced from that module, not from DDP's own forward."""
+    import ampguard
+    from ampguard import nonfinite
+
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), Block()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(torch.ones(2, 4))
+    ops = [nonfinite._report.op_name(r.func) for r in nonfinite.T.records]
+    try:
+        out.sum().backward()
+        opt.step()
+        return {"error": None, "ops": ops}
+    except ampguard.NonFiniteError as err:
+        return {"op": err.op, "module": err.module, "kind": err.kind, "sink": err.sink, "ops": ops}
+
+
+SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin}
 
 
 def worker(rank, scenario, port, out_dir):

@@ -51,6 +51,13 @@ def test_sharded_grad_scaler_disagreement_raises_on_every_rank(python):
     assert r0["fixed_held"] == r1["fixed_held"] == 1
 
 
+def test_nan_inside_a_ddp_model_names_the_op_and_the_module_on_every_rank(python):
+    r0, r1 = run_ranks(python, "ddp_nan_origin")
+    assert r0 == r1
+    assert r0["op"] == "torch.sqrt" and r0["module"] == "1" and r0["kind"] == "nan"
+    assert r0["ops"][:2] == ["torch.linear", "torch.linear"]  # DDP's own plumbing is not traced
+
+
 LIGHTNING_DDP = """
 import os, torch, lightning.pytorch as L
 from lightning.pytorch.plugins.precision import MixedPrecision

@@ -290,3 +290,33 @@ def test_devices_option_limits_which_tensors_are_watched():
     ampguard.install(devices="cpu")
     with pytest.raises(ampguard.NonFiniteError):
         train_attention(CausalAttention(bad_sqrt=True), steps=1)
+
+
+def test_ops_between_backward_and_the_step_are_not_recorded():
+    # Tensor.backward reaches ampguard from inside the tracer's own handler; recording must stop there.
+    ampguard.install()
+    model = CausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss = model(torch.randn(2, 6, 8)).pow(2).mean()
+    names = [nonfinite._report.op_name(r.func) for r in nonfinite.T.records]
+    assert "torch.sum" not in names and "Tensor.detach" not in names  # ampguard's own status ops are not traced
+    recorded = len(nonfinite.T.records)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    (loss.detach() * 2).exp()
+    assert len(nonfinite.T.records) == recorded
+    opt.step()
+    assert len(nonfinite.T.records) == 0
+
+
+def test_gradient_accumulation_traces_every_forward():
+    ampguard.install()
+    model = CausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 6, 8)).pow(2).mean().backward()  # micro-batch 1: fine
+    model.bad_sqrt = True
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 6, 8)).pow(2).mean().backward()  # micro-batch 2: NaN
+        opt.step()
+    assert info.value.op == "torch.sqrt"
+    assert info.value.origin[-1].lineno == line_of(CausalAttention.forward, "SQRT LINE")

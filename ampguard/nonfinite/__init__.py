@@ -77,6 +77,9 @@ class _ThreadState(threading.local):
         self.scaled: weakref.WeakSet = weakref.WeakSet()
         self.backward_since_check = False
         self.full = False
+        # Tensor.backward reaches _backward from inside the mode's own handler, where torch has taken
+        # the mode off its stack: it cannot be popped there, so recording pauses until it can be.
+        self.paused = False
 
 
 T = _ThreadState()
@@ -92,6 +95,22 @@ _torch: Any = None  # torch, bound when the hooks switch on (every path below ru
 
 def _status(tensor: Any) -> Any:
     return _torch.sum(tensor.detach(), dtype=_torch.float32)
+
+
+_WRAPPERS = (("torch.nn.parallel.distributed", "DistributedDataParallel"),
+             ("torch.nn.parallel.data_parallel", "DataParallel"),
+             ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"))
+_wrapper_types: dict[type, bool] = {}
+
+
+def _is_wrapper(module: Any) -> bool:
+    """A parallel wrapper (DDP, DataParallel, FSDP) whose forward is plumbing around the user's module."""
+    cls = type(module)
+    known = _wrapper_types.get(cls)
+    if known is None:
+        bases = [getattr(sys.modules[m], name) for m, name in _WRAPPERS if m in sys.modules]
+        known = _wrapper_types[cls] = any(issubclass(cls, b) for b in bases)
+    return known
 
 
 def _in_worker() -> bool:
@@ -114,7 +133,7 @@ def _make_mode() -> Any:
             if getattr(func, "__name__", "") in skip_names:
                 return out
             g = _guard.current(FEATURE)
-            if g is None or T.full:
+            if g is None or T.full or T.paused:
                 return out
             try:
                 _record(g, func, args, kwargs, out)
@@ -193,16 +212,20 @@ def _push_mode(g: _guard.Guard) -> None:
     T.mode = mode
 
 
-def _pop_mode() -> None:
+def _pop_mode() -> bool:
+    """Pop the tracer if it is on top of torch's mode stack; whether it is off the stack now."""
     import torch
 
     mode = T.mode
     if mode is None:
-        return
+        return True
     n = torch._C._len_torch_function_stack()
     if n and torch._C._get_function_stack_at(n - 1) is mode:
         mode.__exit__(None, None, None)
         T.mode = None
+        T.paused = False
+        return True
+    return False
 
 
 def _clear_records() -> None:
@@ -223,7 +246,9 @@ def _norm_status(tensors: list) -> Any:
 def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, keep: bool) -> None:
     entry = T.producer.get(id(tensor))
     record = entry[1] if entry is not None and entry[0]() is tensor else None
-    T.pending.append(_Pending(sink, nan_only, _status(tensor), tensor if keep else weakref.ref(tensor), record))
+    with _torch._C.DisableTorchFunction():  # the tracer may be active: ampguard's own ops are not the user's
+        status = _status(tensor)
+    T.pending.append(_Pending(sink, nan_only, status, tensor if keep else weakref.ref(tensor), record))
 
 
 @fail_safe(FEATURE)
@@ -236,6 +261,11 @@ def _forward_pre(module: Any, args: Any) -> None:
         if T.pending and T.backward_since_check:
             check()  # a backward without an optimizer step since: check its loss now
         T.root = module
+        T.paused = False  # a new forward (gradient accumulation) records again
+        if not _is_wrapper(module):
+            _push_mode(g)
+    elif T.depth == 1 and T.mode is None and _is_wrapper(T.root):
+        T.root = module  # DDP's own forward is not the user's: trace from the module it wraps
         _push_mode(g)
     T.stack.append(module)
     T.depth += 1
@@ -272,7 +302,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     try:
         roots = args[0] if args else kwargs.get("tensors")
         roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
-        _pop_mode()
+        T.paused = not _pop_mode()  # under Tensor.backward the mode is ours to pop only at the next hook
         for r in roots:
             if r in T.scaled:
                 continue  # the scaled loss; the loss itself was checked at GradScaler.scale()
