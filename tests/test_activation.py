@@ -64,7 +64,7 @@ def test_env_options_reach_the_guard(python):
      "ampguard: environment variable AMPGUARD_SCHEDULERS got 'maybe'; accepted values: True or False"),
     ({"AMPGUARD": "1", "AMPGUARD_MAX_SKIPS": "3"},
      "ampguard: unknown environment variable AMPGUARD_MAX_SKIPS; accepted variables: AMPGUARD_CLOSURES, "
-     "AMPGUARD_DEVICES, AMPGUARD_LINT, AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
+     "AMPGUARD_DEVICES, AMPGUARD_DISTRIBUTED, AMPGUARD_LINT"),
     ({"AMPGUARD": "yes please"}, "ampguard: environment variable AMPGUARD got 'yes please'; accepted values: 1/0"),
 ])
 def test_bad_env_value_prints_one_line_and_runs_without_the_guard(python, script, env, line):

@@ -320,3 +320,42 @@ def test_gradient_accumulation_traces_every_forward():
         opt.step()
     assert info.value.op == "torch.sqrt"
     assert info.value.origin[-1].lineno == line_of(CausalAttention.forward, "SQRT LINE")
+
+
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu() * 2  # FIRST OP LINE
+
+
+def failing_step(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(x).sum().backward()
+        opt.step()
+    return info.value
+
+
+def test_nan_in_the_data_is_not_blamed_on_the_first_op():
+    ampguard.install()
+    x = torch.ones(2, 4)
+    x[1, 2] = float("nan")
+    err = failing_step(Plain(), x)
+    message = str(err)
+    assert "It entered the traced ops already non-finite: a tensor (shape (2, 4), torch.float32; 1 NaN" in message
+    assert "an input of torch.linear in module 'fc'" in message
+    assert "It was created by" not in message and err.op is None
+    assert err.origin[-1].lineno == line_of(Plain.forward, "FIRST OP LINE")
+
+
+def test_a_nan_parameter_is_named():
+    ampguard.install()
+    model = Plain()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    err = failing_step(model, torch.ones(2, 4))
+    assert "It entered the traced ops already non-finite: parameter 'fc.weight' (shape (4, 4)" in str(err)

@@ -21,6 +21,7 @@ walked back to the origin.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -39,10 +40,14 @@ from . import _report
 FEATURE = "nonfinite"
 MAX_RECORDS = 200_000  # a step that records more stops tracing (and says so) instead of growing
 class OpRecord:
-    __slots__ = ("dtype", "frames", "func", "inputs", "module", "ref", "shape", "status", "value")
+    __slots__ = ("dtype", "frames", "func", "inputs", "module", "outside", "ref", "shape", "status", "value")
 
     def __init__(self, func: Any, frames: tuple, module: Any, inputs: tuple, status: Any, ref: Any,
-                 shape: Any = None, dtype: Any = None) -> None:
+                 shape: Any = None, dtype: Any = None, outside: tuple = ()) -> None:
+        # floating inputs no recorded op produced, as (weakref, status): parameters and buffers are still
+        # alive at the check and keep status None; anything else (data, the output of a compiled
+        # function) may be freed by then, so its status is taken when it is first used
+        self.outside = outside
         self.shape = shape
         self.dtype = dtype
         self.func = func
@@ -73,6 +78,7 @@ class _ThreadState(threading.local):
         self.root: Any = None
         self.records: list[OpRecord] = []
         self.producer: dict[int, tuple[Any, int]] = {}
+        self.outside: dict[int, tuple] = {}  # id -> OpRecord.outside entry, for untraced inputs this step
         self.pending: list[_Pending] = []
         self.scaled: weakref.WeakSet = weakref.WeakSet()
         self.backward_since_check = False
@@ -100,17 +106,33 @@ def _status(tensor: Any) -> Any:
 _WRAPPERS = (("torch.nn.parallel.distributed", "DistributedDataParallel"),
              ("torch.nn.parallel.data_parallel", "DataParallel"),
              ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"))
-_wrapper_types: dict[type, bool] = {}
+_kinds: dict[type, str | None] = {}
 
 
-def _is_wrapper(module: Any) -> bool:
-    """A parallel wrapper (DDP, DataParallel, FSDP) whose forward is plumbing around the user's module."""
+def _kind(module: Any) -> str | None:
+    """'wrapper' for DDP/DataParallel/FSDP, whose forward is plumbing around the user's module;
+    'compiled' for a torch.compile'd module (dynamo's OptimizedModule), one opaque region to the
+    tracer; None for the rest. Decided once per class."""
     cls = type(module)
-    known = _wrapper_types.get(cls)
-    if known is None:
-        bases = [getattr(sys.modules[m], name) for m, name in _WRAPPERS if m in sys.modules]
-        known = _wrapper_types[cls] = any(issubclass(cls, b) for b in bases)
-    return known
+    if cls in _kinds:
+        return _kinds[cls]
+    wrappers = tuple(getattr(sys.modules[m], name) for m, name in _WRAPPERS if m in sys.modules)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    kind = "wrapper" if wrappers and issubclass(cls, wrappers) else \
+        "compiled" if eval_frame is not None and issubclass(cls, eval_frame.OptimizedModule) else None
+    _kinds[cls] = kind
+    return kind
+
+
+def _record_compiled_region(g: _guard.Guard, module: Any, args: Any, output: Any) -> None:
+    """Record a compiled module's call as one op, then trace the user's code after it again."""
+    T.paused = False
+    if g.options.trace != "off":
+        inner = type(getattr(module, "_orig_mod", module)).__name__
+        with _torch._C.DisableTorchFunction():  # the tracer may still be on the stack: ampguard's ops are not traced
+            _record(g, f"the torch.compile'd module '{inner}'", tuple(args), None, output,
+                    frames=user_frames(sys._getframe(2), budget=64))
+        _push_mode(g)
 
 
 def _in_worker() -> bool:
@@ -126,9 +148,13 @@ def _make_mode() -> Any:
                   "__bool__", "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride",
                   "is_floating_point", "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__"}
 
+    is_compiling = torch.compiler.is_compiling
+
     class Tracer(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             __tracebackhide__ = True
+            if is_compiling():  # dynamo folds this to True: a compiled graph sees a plain call, no graph break
+                return func(*args, **(kwargs or {}))
             out = func(*args, **(kwargs or {}))
             if getattr(func, "__name__", "") in skip_names:
                 return out
@@ -149,41 +175,78 @@ def _make_mode() -> Any:
 _Tracer: Any = None
 
 
-def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+def _tensors(value: Any) -> list:
+    """The tensors in an op's or a module's output: a tensor, a tuple/list of them, or a dict's values."""
     tensor = _torch.Tensor
-    outputs = [out] if isinstance(out, tensor) else [o for o in out if isinstance(o, tensor)] \
-        if isinstance(out, (tuple, list)) else []
-    outputs = [o for o in outputs if o.is_floating_point() and o.numel() and _watched(g, o)]
+    if isinstance(value, tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [o for o in value if isinstance(o, tensor)]
+    if isinstance(value, dict):
+        return [o for o in value.values() if isinstance(o, tensor)]
+    return []
+
+
+def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: Any,
+            frames: tuple | None = None) -> None:
+    outputs = [o for o in _tensors(out) if o.is_floating_point() and o.numel() and _watched(g, o)]
     if not outputs:
         return
+    tensor = _torch.Tensor
     producer = T.producer
     eager = g.options.trace == "eager"
     inputs = []
-    unrecorded = []  # inputs no recorded op produced (data, parameters); eager mode checks them
+    outside = []  # floating inputs no recorded op produced: data, parameters, a compiled function's output
     for a in (*args, *(kwargs.values() if kwargs else ())):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if isinstance(t, tensor):
                 entry = producer.get(id(t))
                 if entry is not None and entry[0]() is t:
                     inputs.append(entry[1])
-                elif eager and t.is_floating_point():
-                    unrecorded.append(t)
+                elif t.is_floating_point():
+                    outside.append(t)
     records = T.records
-    frames = user_frames(sys._getframe(2))
+    if frames is None:
+        frames = user_frames(sys._getframe(2))
     module = T.stack[-1] if T.stack else None
+    outside_refs = tuple(_outside_entry(t) for t in outside)
     for o in outputs:
         index = len(records)
         status = _status(o)
         ref = weakref.ref(o)
-        record = OpRecord(func, frames, module, tuple(inputs), status, ref, o.shape, o.dtype)
+        record = OpRecord(func, frames, module, tuple(inputs), status, ref, o.shape, o.dtype, outside_refs)
         records.append(record)
         producer[id(o)] = (ref, index)
         if eager:
-            _eager_check(g, record, index, unrecorded)
+            _eager_check(g, record, index, outside)
     if len(records) > MAX_RECORDS:
         T.full = True
         warnings.warn(f"ampguard: more than {MAX_RECORDS} ops recorded without a sink check; origin tracing is "
                       "paused until the next optimizer step", AmpGuardWarning, stacklevel=4)
+
+
+def _outside_entry(tensor: Any) -> tuple:
+    """(weakref, status or None, shape, dtype) for an input no recorded op produced; one status per tensor per step."""
+    entry = T.outside.get(id(tensor))
+    if entry is not None and entry[0]() is tensor:
+        return entry
+    state = isinstance(tensor, _torch.nn.Parameter) or id(tensor) in _module_tensors(T.root)
+    entry = T.outside[id(tensor)] = (weakref.ref(tensor), None if state else _status(tensor), tensor.shape,
+                                     tensor.dtype)
+    return entry
+
+
+_module_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _module_tensors(root: Any) -> frozenset:
+    """The ids of the root module's parameters and buffers, collected once per root module."""
+    if root is None:
+        return frozenset()
+    ids = _module_state.get(root)
+    if ids is None:
+        ids = _module_state[root] = frozenset(id(t) for t in (*root.parameters(), *root.buffers()))
+    return ids
 
 
 def _eager_check(g: _guard.Guard, record: OpRecord, index: int, unrecorded: list) -> None:
@@ -231,6 +294,7 @@ def _pop_mode() -> bool:
 def _clear_records() -> None:
     T.records = []
     T.producer = {}
+    T.outside = {}
     T.full = False
 
 
@@ -254,19 +318,24 @@ def _add_tensor_sink(g: _guard.Guard, sink: str, tensor: Any, nan_only: bool, ke
 @fail_safe(FEATURE)
 def _forward_pre(module: Any, args: Any) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    if _torch.compiler.is_compiling():
+        return  # inside a compiled graph: the compiled region is recorded as one op at its boundary
     g = _guard.current(FEATURE)
     if g is None or _in_worker():
         return
+    kind = _kind(module)
     if T.depth == 0:
         if T.pending and T.backward_since_check:
             check()  # a backward without an optimizer step since: check its loss now
-        T.root = module
+        T.root = getattr(module, "_orig_mod", module)
         T.paused = False  # a new forward (gradient accumulation) records again
-        if not _is_wrapper(module):
+        if kind is None:
             _push_mode(g)
-    elif T.depth == 1 and T.mode is None and _is_wrapper(T.root):
+    elif T.depth == 1 and T.mode is None and kind is None and _kind(T.root) == "wrapper":
         T.root = module  # DDP's own forward is not the user's: trace from the module it wraps
         _push_mode(g)
+    if kind == "compiled":
+        T.paused = not _pop_mode()  # the tracer stays out of the compiled region; its call is one op
     T.stack.append(module)
     T.depth += 1
 
@@ -275,16 +344,18 @@ def _forward_pre(module: Any, args: Any) -> None:
 def _forward_post(module: Any, args: Any, output: Any) -> None:
     import torch
 
+    if torch.compiler.is_compiling():
+        return
     g = _guard.current(FEATURE)
     if g is None or not T.stack or T.stack[-1] is not module:
         return
     T.stack.pop()
     T.depth -= 1
+    if _kind(module) == "compiled":
+        _record_compiled_region(g, module, args, output)
     if T.depth:
         return
-    outputs = [output] if isinstance(output, torch.Tensor) else (
-        [o for o in output if isinstance(o, torch.Tensor)] if isinstance(output, (tuple, list)) else
-        [o for o in output.values() if isinstance(o, torch.Tensor)] if isinstance(output, dict) else [])
+    outputs = _tensors(output)
     for o in outputs:
         if o.is_floating_point() and o.numel() and _watched(g, o):
             _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
@@ -444,6 +515,31 @@ def _sink_kind(p: _Pending, values: list[float]) -> str:
     return _report.kind_of(float(p.status)) or "nan"
 
 
+def _outside_inputs(rec: OpRecord) -> tuple[str | None, int]:
+    """(a description of the first untraced input of ``rec`` that is non-finite or None, how many were freed)."""
+    freed = 0
+    for ref, status, shape, dtype in rec.outside:
+        tensor = ref()
+        if status is None and tensor is None:
+            freed += 1
+            continue
+        kind = _report.kind_of(float(status if status is not None else _status(tensor)))
+        if kind is not None:
+            what = _report.describe_tensor(tensor) if tensor is not None else \
+                f"shape {tuple(shape)}, {dtype}, {kind}; freed before the check: no element counts"
+            return f"{_tensor_name(tensor) if tensor is not None else 'a tensor'} ({what})", freed
+    return None, freed
+
+
+def _tensor_name(tensor: Any) -> str:
+    root = T.root
+    if root is not None:
+        for name, t in (*root.named_parameters(), *root.named_buffers()):
+            if t is tensor:
+                return f"{'parameter' if isinstance(t, _torch.nn.Parameter) else 'buffer'} '{name}'"
+    return "a tensor"
+
+
 def _module_path(module: Any) -> str | None:
     root = T.root
     if module is None or root is None:
@@ -471,8 +567,21 @@ def _build_error(g: _guard.Guard, p: _Pending, records: list, values: list[float
         origin = _report.stack_summary(rec.frames)
         chain = [_report.op_name(records[i].func) for i in path]
         origin_kind = _report.kind_of(values[start]) or kind
-        lines.append(f"  It was created by {op} (output {origin_kind}, all inputs finite)"
-                     + (f" in module '{module}'" if module else "") + f" at\n    {_report.site(rec)}")
+        entered, freed = _outside_inputs(rec)
+        if entered is not None:
+            # The walk ends at an op one of whose untraced inputs was already bad: do not blame the op.
+            lines.append(f"  It entered the traced ops already non-finite: {entered}, an input of {op}"
+                         + (f" in module '{module}'" if module else "") + f" at\n    {_report.site(rec)}")
+            lines.append("  No traced op produced that input: it is the data, a parameter or buffer, or the output "
+                         "of code ampguard does not trace (a torch.compile'd function, a custom autograd Function, "
+                         "a C++ extension).")
+            op = module = None
+        else:
+            lines.append(f"  It was created by {op} (output {origin_kind}, all inputs finite)"
+                         + (f" in module '{module}'" if module else "") + f" at\n    {_report.site(rec)}")
+            if freed:
+                lines.append(f"  ({freed} input(s) of it that no traced op produced were freed before the check and "
+                             "could not be examined.)")
         alive = rec.ref()
         lines.append(f"  value: {_report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {tuple(rec.shape)}, {rec.dtype} (freed before the check: no element counts)")
@@ -523,6 +632,9 @@ def _param_error(p: _Pending) -> NonFiniteError:
 
 
 # -- the patch targets -------------------------------------------------------------------
+_COMPILED_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
 def _switch_hooks() -> Any:
     global _torch
     import torch
@@ -541,11 +653,20 @@ def _switch_hooks() -> Any:
             h.remove()
         raise
 
+    # torch warns at every call of a compiled module while any global module hook exists, that the
+    # hooks fire once more for the OptimizedModule: that call is the one ampguard records the
+    # compiled region at, so the warning is about ampguard and says nothing to the user.
+    warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
+    ignore = warnings.filters[0]
+
     def off() -> None:
         for h in handles:
             h.remove()
         _pop_mode()
         T.__init__()
+        with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already
+            warnings.filters.remove(ignore)
+            warnings._filters_mutated()
 
     return off
 

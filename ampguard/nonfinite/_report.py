@@ -23,6 +23,8 @@ def kind_of(value: float) -> str | None:
 def op_name(func: Any) -> str:
     import torch
 
+    if isinstance(func, str):
+        return func  # a region recorded as one op (a compiled module)
     name = getattr(func, "__name__", repr(func))
     if name == "__get__":
         return "Tensor attribute"
