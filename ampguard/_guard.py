@@ -248,13 +248,14 @@ def internal_failure(feature: str, exc: BaseException) -> None:
     """An ampguard bug: log it, warn once, and switch the feature off so PyTorch's behaviour is used."""
     log.error("ampguard: internal error in %s; falling back to PyTorch's own behaviour", feature, exc_info=exc)
     g = _active
+    warned = g._disabled if g is not None else _warned  # one warning per feature and guard
+    first = feature not in warned
+    warned.add(feature)
     if g is not None:
         # Only mark it: this may run inside one of torch's hook loops, which must not change size
         # under it. The feature's hooks return at once from now on.
-        g._disabled.add(feature)
         g._refresh()
-    if feature not in _warned:
-        _warned.add(feature)
+    if first:
         warnings.warn(
             f"ampguard: internal error in {feature} ({type(exc).__name__}: {exc}); {feature} is switched off "
             "for the rest of this run and PyTorch's own behaviour is used. The 'ampguard' logger has the "

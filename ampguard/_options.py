@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,21 @@ def _choice(*choices: str) -> tuple[Callable[[Any], str], Callable[[str], str]]:
     return check, parse
 
 
+# torch's device types; a typo ("cdua") would otherwise silently watch nothing
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "xla", "mtia", "maia", "ipu", "meta", "lazy", "vulkan",
+                "privateuseone")
+
+
+def _device_type_known(name: str) -> bool:
+    if name in DEVICE_TYPES:
+        return True
+    torch = sys.modules.get("torch")  # a renamed PrivateUse1 backend, known once torch is imported
+    try:
+        return torch is not None and name == torch._C._get_privateuse1_backend_name()
+    except Exception:
+        return False
+
+
 def _check_devices(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -90,7 +106,7 @@ def _check_devices(value: Any) -> tuple[str, ...] | None:
         raise _Reject
     out = []
     for item in value:
-        if not isinstance(item, str) or not item.strip() or ":" in item:
+        if not isinstance(item, str) or not _device_type_known(item.strip().lower()):
             raise _Reject
         out.append(item.strip().lower())
     return tuple(out)
@@ -178,7 +194,8 @@ _spec(
 _spec(
     "devices",
     None,
-    "None (every device) or device types such as ('cuda',) (env: 'cuda,cpu' or 'all')",
+    "None (every device) or device types such as ('cuda',) (env: 'cuda,cpu' or 'all'); device types: "
+    + ", ".join(DEVICE_TYPES),
     _check_devices,
     _env_devices,
     "Device types whose tensors are watched.",

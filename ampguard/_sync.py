@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# (collect, consume): collect() -> tensors waiting for a read; consume(values) judges them
-_participants: list[tuple[Callable[[], list], Callable[[list[float]], None]]] = []
+from ._errors import AmpGuardError, AmpGuardWarning
+
+# (feature, collect, consume): collect() -> tensors waiting for a read; consume(values) judges them
+_participants: list[tuple[str, Callable[[], list], Callable[[list[float]], None]]] = []
 
 
-def participate(collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
-    _participants.append((collect, consume))
+def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
+    """Join the shared read. A failure in ``collect``/``consume`` switches off ``feature`` only."""
+    _participants.append((feature, collect, consume))
 
 
 def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], None]]:
@@ -31,10 +34,14 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     n_own = sum(t.numel() for t in parts)
     shares = []
     offset = n_own
-    for collect, consume in _participants:
-        tensors = collect()
+    for feature, collect, consume in _participants:
+        try:
+            tensors = collect()
+        except Exception as exc:
+            internal_failure(feature, exc)
+            continue
         if tensors:
-            shares.append((consume, offset, len(tensors)))
+            shares.append((feature, consume, offset, len(tensors)))
             offset += len(tensors)  # participants' statuses are single values
             parts.extend(tensors)
     if not parts:
@@ -46,11 +53,22 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
 
     def settle() -> None:
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-        for consume, start, n in shares:
-            consume(values[start:start + n])
+        for feature, consume, start, n in shares:
+            try:
+                consume(values[start:start + n])
+            except (AmpGuardError, AmpGuardWarning):
+                raise
+            except Exception as exc:
+                internal_failure(feature, exc)
 
     return values[:n_own], settle
 
 
 def _nothing() -> None:
     return None
+
+
+def internal_failure(feature: str, exc: BaseException) -> None:
+    from ._guard import internal_failure as report  # late: _guard is imported after this module
+
+    report(feature, exc)

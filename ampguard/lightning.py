@@ -108,14 +108,21 @@ def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
     result = DEPTH.outermost("optimizer_step", wrapped, new_args, new_kwargs)
-    events = list(proxy._self_injected)
-    if not hook_closure.ran:
+    no_step = not hook_closure.ran
+    if no_step:
         hook_closure()  # neither step nor closure: run training_step so Lightning gets its result
-        code = getattr(wrapped, "__code__", None)
-        events.append(("no-step", code.co_filename if code else "?", code.co_firstlineno if code else 0))
-    if events:
-        g.stats.closures_injected += len(events)
-        _warn_once(g, type(instance), *events[0])
+    try:
+        events = list(proxy._self_injected)
+        if no_step:
+            code = getattr(wrapped, "__code__", None)
+            events.append(("no-step", code.co_filename if code else "?", code.co_firstlineno if code else 0))
+        if events:
+            g.stats.closures_injected += len(events)
+            _warn_once(g, type(instance), *events[0])
+    except AmpGuardWarning:
+        raise
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
     return result
 
 

@@ -176,10 +176,13 @@ def _autocast_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     out = wrapped(*args, **kwargs)
     g = _guard.current(FEATURE)
     if g is not None and getattr(instance, "_enabled", False):
-        import torch
+        try:
+            import torch
 
-        if torch.is_grad_enabled():  # a training forward; evaluation under no_grad says nothing about the loss
-            _AUTOCAST.latest[getattr(instance, "device", "cuda")] = (g, getattr(instance, "fast_dtype", None))
+            if torch.is_grad_enabled():  # a training forward; evaluation under no_grad says nothing about the loss
+                _AUTOCAST.latest[getattr(instance, "device", "cuda")] = (g, getattr(instance, "fast_dtype", None))
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
     return out
 
 

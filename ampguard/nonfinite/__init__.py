@@ -472,7 +472,7 @@ def _consume(values: list[float]) -> None:
         _clear_records()
 
 
-_sync.participate(_collect, _consume)
+_sync.participate(FEATURE, _collect, _consume)
 
 
 def check() -> None:

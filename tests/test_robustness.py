@@ -1,0 +1,424 @@
+"""Faults, threads, long runs, checkpoints and bad input: ampguard never harms the user's run."""
+
+import gc
+import io
+import logging
+import resource
+import threading
+import tracemalloc
+import warnings
+
+import pytest
+import torch
+from loops import Overflow, data, model, reference_loop
+from torch.optim import lr_scheduler as S
+
+import ampguard
+from ampguard import _options, _sync, nonfinite
+from ampguard._patching import REGISTRY
+
+
+def ours(caught):
+    return [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+
+
+def amp_loop(overflow=(0, 3), iterations=6):
+    """GradScaler + a warm-up scheduler + clipping after unscale_: every feature has work to do."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = S.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, overflow)
+    lrs = []
+    for i in range(iterations):
+        hook.i = i
+        x, y = data(i)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 10.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs, [p.detach().clone() for p in m.parameters()]
+
+
+def plain_run():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's own scheduler warning
+        return amp_loop()
+
+
+def raise_injected(*args, **kwargs):
+    raise RuntimeError("injected fault")
+
+
+# (the internal function made to fail, the features that use it)
+FAULTS = [
+    ("ampguard.schedulers._should_hold", {"schedulers"}),
+    ("ampguard.schedulers._remember_step", {"schedulers"}),
+    ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
+    ("ampguard.nonfinite._record", {"nonfinite"}),
+    ("ampguard.nonfinite._norm_status", {"nonfinite"}),
+    ("ampguard.nonfinite._consume", {"nonfinite"}),
+    ("ampguard.lints._check_clip", {"lint"}),
+    ("ampguard.lints._state", {"lint"}),
+]
+
+
+@pytest.mark.parametrize(("target", "features"), FAULTS, ids=[t for t, _ in FAULTS])
+def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_record(monkeypatch, caplog, target,
+                                                                                      features):
+    plain_lrs, plain_params = plain_run()
+    with ampguard.guard():
+        guarded_lrs, guarded_params = amp_loop()
+    module, _, name = target.rpartition(".")
+    g = ampguard.install()
+    monkeypatch.setattr(f"{module}.{name}", raise_injected)
+    if target == "ampguard.nonfinite._consume":  # the shared read holds its own reference
+        monkeypatch.setattr(_sync, "_participants", [(f, c, raise_injected if f == "nonfinite" else s)
+                                                     for f, c, s in _sync._participants])
+    with caplog.at_level(logging.ERROR, logger="ampguard"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrs, params = amp_loop()
+    found = ours(caught)
+    assert len(found) == len(features), [str(w.message) for w in found]  # one warning per feature
+    for feature, warning in zip(sorted(features), sorted(found, key=lambda w: str(w.message)), strict=True):
+        assert f"internal error in {feature} (RuntimeError: injected fault)" in str(warning.message)
+        assert f"{feature} is switched off for the rest of this run" in str(warning.message)
+    assert any("injected fault" in r.exc_text for r in caplog.records if r.exc_text)
+    assert g._disabled == features and g._on == {"schedulers", "nonfinite", "lint", "closures"} - features
+    if "schedulers" in features:
+        # the scheduler stepped on skipped steps, as PyTorch does: the plain run exactly
+        assert lrs == plain_lrs and all(torch.equal(p, q) for p, q in zip(params, plain_params, strict=True))
+    else:
+        # the other features go on: the guarded run exactly
+        assert lrs == guarded_lrs and all(torch.equal(p, q) for p, q in zip(params, guarded_params, strict=True))
+        assert g.stats.scheduler_steps_held == 2
+
+
+def test_a_fault_in_the_lightning_patch_falls_back(monkeypatch):
+    L = pytest.importorskip("lightning.pytorch")
+    from test_lightning import BATCHES, correct_step, fit, module_class
+
+    reference = module_class(L, correct_step)()
+    fit(L, reference)
+    g = ampguard.install()
+    monkeypatch.setattr("ampguard.lightning._slot", raise_injected)
+    model = module_class(L, correct_step)()
+    _, found = fit(L, model)
+    assert model.training_steps == BATCHES
+    assert torch.equal(model.layer.weight, reference.layer.weight)
+    assert len(found) == 1 and "internal error in closures" in str(found[0].message) and "closures" in g._disabled
+
+
+def test_intended_errors_are_not_swallowed_while_another_feature_is_faulty(monkeypatch):
+    ampguard.install(max_consecutive_skips=3)
+    monkeypatch.setattr("ampguard.lints._check_clip", raise_injected)
+    with warnings.catch_warnings(), pytest.raises(ampguard.LossScaleCollapseError):
+        warnings.simplefilter("ignore")
+        amp_loop(overflow=range(10), iterations=10)
+    ampguard.uninstall()
+    ampguard.install()
+    monkeypatch.setattr("ampguard.schedulers._should_hold", raise_injected)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings(), pytest.raises(ampguard.NonFiniteError):
+        warnings.simplefilter("ignore")
+        torch.log(m(torch.ones(2, 4)) * 0 - 1).sum().backward()
+        opt.step()
+
+
+def test_a_fault_while_patching_an_import_never_breaks_the_import(python):
+    proc = python("""
+        import warnings, ampguard
+        from ampguard import _patching
+        def broken(self, target):
+            raise RuntimeError("injected fault")
+        _patching.Registry._apply = broken
+        ampguard.install()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch  # the post-import hook fails inside this import
+        print("imported", torch.ones(1).item(), len(caught),
+              "internal error in patching torch" in str(caught[0].message))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["imported", "1.0", "1", "True"]
+
+
+# -- threads -------------------------------------------------------------------------------
+def test_two_threads_train_concurrently_under_one_guard_without_leaking_decisions():
+    g = ampguard.install()
+    patterns = {"a": {0, 2}, "b": {1, 3, 4}}
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def train(name):
+        try:
+            m = model(seed=len(name))
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            sched = S.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+            scaler = torch.amp.GradScaler("cpu")
+            hook = Overflow(m[0].weight, patterns[name])
+            for i in range(6):
+                barrier.wait()  # interleave the two loops step by step
+                hook.i = i
+                scaler.scale(m(data(i)[0]).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad()
+            results[name] = sched.last_epoch
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=train, args=(n,)) for n in patterns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert results == {"a": 4, "b": 3}  # each scheduler followed its own thread's applied steps
+    assert g.stats.optimizer_steps_skipped == 5 and g.stats.scheduler_steps_held == 5
+
+
+def test_install_and_uninstall_from_many_threads_leave_a_consistent_state():
+    from torch.amp.grad_scaler import GradScaler
+    from torch.optim.lr_scheduler import LRScheduler, SequentialLR
+
+    originals = {(c, n): vars(c)[n] for c, n in ((LRScheduler, "step"), (SequentialLR, "step"),
+                                                 (GradScaler, "update"), (GradScaler, "step"))}
+    hooks_before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    errors = []
+
+    def churn(k):
+        try:
+            for i in range(100):
+                if (i + k) % 3 == 0:
+                    with ampguard.guard(trace="off"):
+                        pass
+                else:
+                    ampguard.install()
+                    ampguard.uninstall()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ampguard.install()
+    for (cls, name), original in originals.items():
+        assert vars(cls)[name].__wrapped__ is original  # wrapped exactly once
+    ampguard.uninstall()
+    for (cls, name), original in originals.items():
+        assert vars(cls)[name] is original
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks_before
+    assert ampguard.active() is None and REGISTRY._records == {}
+
+
+# -- long runs -----------------------------------------------------------------------------
+def global_hook_counts():
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return (len(module._global_forward_pre_hooks), len(module._global_forward_hooks),
+            len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks))
+
+
+def test_ten_thousand_install_uninstall_cycles_do_not_grow():
+    import torch.optim.lr_scheduler  # noqa: F401  (patched classes exist)
+
+    for _ in range(200):  # warm caches
+        ampguard.install()
+        ampguard.uninstall()
+    gc.collect()
+    hooks, filters, participants = global_hook_counts(), len(warnings.filters), len(_sync._participants)
+    objects = len(gc.get_objects())
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for _ in range(10_000):
+        ampguard.install()
+        ampguard.uninstall()
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    growth = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    del before, after
+    gc.collect()
+    more = len(gc.get_objects()) - objects
+    print(f"10,000 install/uninstall cycles: Python memory grew by {growth} bytes, {more} more gc objects")
+    assert more < 100 and growth < 192 * 1024
+    assert REGISTRY._records == {} and len(REGISTRY._import_hooks) < 10
+    assert global_hook_counts() == hooks and len(warnings.filters) == filters
+    assert len(_sync._participants) == participants
+
+
+def test_two_thousand_traced_training_steps_do_not_grow():
+    ampguard.install()
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def steps(n):
+        peak = 0
+        for _ in range(n):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            peak = max(peak, len(nonfinite.T.records))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return peak
+
+    def live():
+        gc.collect()
+        objects = gc.get_objects()
+        return len(objects), sum(isinstance(o, torch.Tensor) for o in objects)
+
+    tracemalloc.start()
+    steps(1300)  # warm-up: pymalloc arenas, torch's and ampguard's per-code caches fill once
+    objects, tensors = live()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = tracemalloc.take_snapshot()
+    peak = steps(2000)
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    growth = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+    del before, after  # the snapshots are gc objects too
+    objects_after, tensors_after = live()
+    print(f"2,000 traced steps: Python memory grew by {growth} bytes, peak RSS by {rss_growth} KiB, "
+          f"{objects_after - objects} more gc objects, {tensors_after - tensors} more tensors, "
+          f"at most {peak} op records alive")
+    assert tensors_after == tensors and objects_after - objects < 100
+    # an object kept per step would be +2000 above; pymalloc's own arenas move by tens of KiB
+    assert growth < 192 * 1024 and rss_growth < 16 * 1024
+    assert 5 <= peak < 50 and len(nonfinite.T.records) == 0 and nonfinite.T.outside == {}
+    assert len(nonfinite.T.pending) == 0
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def checkpoint(make_sched, iterations):
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = make_sched(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(iterations):
+        scaler.scale(torch.nn.functional.mse_loss(m(data(i)[0]), data(i)[1])).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    out = []
+    for state in (m.state_dict(), opt.state_dict(), scaler.state_dict(), sched.state_dict()):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        out.append(buffer.getvalue())
+    return out
+
+
+def one_cycle(opt):
+    return S.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+
+
+def test_checkpoints_are_byte_identical_with_and_without_ampguard():
+    plain = checkpoint(one_cycle, 8)
+    assert checkpoint(one_cycle, 8) == plain  # torch.save is deterministic here
+    ampguard.install()
+    assert checkpoint(one_cycle, 8) == plain
+
+
+def test_resume_from_a_checkpoint_keeps_holding_correctly():
+    ampguard.install()
+    skipped = (2, 7, 9)
+
+    def run(iterations, start=0, state=None):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = one_cycle(opt)
+        scaler = torch.amp.GradScaler("cpu")
+        if state is not None:
+            for obj, sd in zip((m, opt, scaler, sched), state, strict=True):
+                obj.load_state_dict(sd)
+        hook = Overflow(m[0].weight, skipped)
+        lrs = []
+        for i in range(start, iterations):
+            hook.i = i
+            scaler.scale(torch.nn.functional.mse_loss(m(data(i)[0]), data(i)[1])).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+            if i not in skipped:
+                lrs.append(opt.param_groups[0]["lr"])
+        return lrs, [obj.state_dict() for obj in (m, opt, scaler, sched)], m
+
+    first, state, _ = run(8)  # the checkpoint is taken after a held step (iteration 7 overflowed)
+    second, _, resumed = run(14, start=8, state=state)
+    ref_lrs, ref_model, _ = reference_loop(one_cycle, 14, skipped)
+    assert first + second == ref_lrs
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), ref_model.parameters(), strict=True))
+
+
+# -- bad input -----------------------------------------------------------------------------
+BAD_VALUES = {
+    "schedulers": ["yes", 1, None, 0.0],
+    "max_consecutive_skips": [0, -3, 2.5, "8", True],
+    "distributed": ["no", 0, None],
+    "closures": ["on", 1.0, []],
+    "lint": ["off", None],
+    "nonfinite": ["RAISE", True, None, "", "crash"],
+    "trace": ["lazy", 1, None],
+    "devices": [(), ["cuda:0"], ("cdua",), (1,), 3, ""],
+}
+
+
+def test_every_option_has_bad_values_listed():
+    assert set(BAD_VALUES) == set(_options.SPECS)
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, vs in BAD_VALUES.items() for v in vs])
+def test_every_bad_option_value_names_the_option_and_the_accepted_values(name, value):
+    accepted = _options.SPECS[name].accepted
+    for call in (ampguard.install, lambda **o: ampguard.guard(**o).__enter__()):
+        with pytest.raises(ampguard.ConfigError) as info:
+            call(**{name: value})
+        assert str(info.value) == f"ampguard: option '{name}' got {value!r}; accepted values: {accepted}"
+        assert ampguard.active() is None
+    g = ampguard.install()
+    with pytest.raises(ampguard.ConfigError):
+        ampguard.install(**{name: value})  # on an active guard: refused, the guard keeps its options
+    assert g.options == _options.Options() and ampguard.active() is g
+
+
+GARBAGE = ["garbage", "-1", "2.5", "on,off", "nan"]
+
+
+@pytest.mark.parametrize("variable", [s.env for s in _options.SPECS.values()] + ["AMPGUARD", "AMPGUARD_REPORT"])
+def test_every_ampguard_variable_with_garbage_prints_one_line_and_runs(python, variable):
+    for text in GARBAGE:
+        try:
+            if variable in ("AMPGUARD", "AMPGUARD_REPORT"):
+                _options.env_flag(variable, False, {variable: text})
+            else:
+                _options.from_environ({variable: text})
+            continue  # a valid value for this variable (e.g. an integer)
+        except ampguard.ConfigError as exc:
+            expected = str(exc)
+        env = {"AMPGUARD": "1", variable: text} if variable != "AMPGUARD" else {"AMPGUARD": text}
+        proc = python("print('the program ran')", env=env)
+        assert proc.returncode == 0 and proc.stdout.strip() == "the program ran"
+        assert proc.stderr.strip() == f"{expected} -- running without ampguard"
+        assert f"environment variable {variable} got {text!r}; accepted values:" in proc.stderr
+        break
+    else:
+        pytest.fail(f"no garbage value was refused for {variable}")
