@@ -14,6 +14,19 @@ def ours(caught):
     return [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
 
 
+def lint_warnings(*iterations, **options):
+    """Install with ``options``, run each ``iteration(model, optimizer, scaler)`` on one set; ampguard's warnings."""
+    ampguard.install(**options)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for iteration in iterations:
+            iteration(m, opt, scaler)
+    return ours(caught)
+
+
 def scaled_iteration(m, opt, scaler, *, unscale: bool, clip=None, params=None):
     scaler.scale(m(data(0)[0]).pow(2).mean()).backward()
     if unscale:
@@ -28,15 +41,10 @@ def scaled_iteration(m, opt, scaler, *, unscale: bool, clip=None, params=None):
 @pytest.mark.parametrize("clip", [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_value_],
                          ids=["clip_grad_norm_", "clip_grad_value_"])
 def test_clipping_still_scaled_gradients_warns_once_at_the_call(clip):
-    ampguard.install()
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            scaled_iteration(m, opt, scaler, unscale=False, clip=getattr(torch.nn.utils, clip.__name__))
-    found = ours(caught)
+    def iteration(m, opt, scaler):
+        scaled_iteration(m, opt, scaler, unscale=False, clip=getattr(torch.nn.utils, clip.__name__))
+
+    found = lint_warnings(iteration, iteration, iteration)
     assert len(found) == 1
     message = str(found[0].message)
     assert f"torch.nn.utils.{clip.__name__} was called on gradients that a GradScaler has scaled" in message
@@ -59,16 +67,11 @@ def test_clipping_after_unscale_is_silent_and_clips_the_same():
 
 
 def test_clipping_without_a_scaler_or_after_update_is_silent():
-    ampguard.install()
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        scaled_iteration(m, opt, scaler, unscale=True)
+    def unscaled_after_update(m, opt, scaler):
         m(data(1)[0]).sum().backward()  # an unscaled backward after update(): the iteration is over
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-    assert ours(caught) == []
+
+    assert lint_warnings(lambda *a: scaled_iteration(*a, unscale=True), unscaled_after_update) == []
 
 
 def test_lightning_gradient_clip_val_under_16_mixed_does_not_warn():
@@ -138,15 +141,10 @@ def autocast_iteration(m, opt, scaler, dtype):
 
 
 def test_grad_scaler_with_bf16_autocast_warns_once():
-    ampguard.install()
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            autocast_iteration(m, opt, scaler, torch.bfloat16)
-    found = ours(caught)
+    def bf16(*a):
+        autocast_iteration(*a, torch.bfloat16)
+
+    found = lint_warnings(bf16, bf16, bf16)
     assert len(found) == 1
     assert "GradScaler('cpu') scales a loss computed under bfloat16 autocast" in str(found[0].message)
     assert "drop the GradScaler" in str(found[0].message)
@@ -154,19 +152,14 @@ def test_grad_scaler_with_bf16_autocast_warns_once():
 
 
 def test_grad_scaler_with_fp16_autocast_or_after_bf16_evaluation_is_silent():
-    ampguard.install()
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        autocast_iteration(m, opt, scaler, torch.float16)
+    def bf16_evaluation_then_fp32_step(m, opt, scaler):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            m(data(1)[0])  # evaluation in bf16
-        scaler.scale(m(data(2)[0]).sum()).backward()  # an fp32 step after it
+            m(data(1)[0])
+        scaler.scale(m(data(2)[0]).sum()).backward()
         scaler.step(opt)
         scaler.update()
-    assert ours(caught) == []
+
+    assert lint_warnings(lambda *a: autocast_iteration(*a, torch.float16), bf16_evaluation_then_fp32_step) == []
 
 
 def test_scheduler_step_before_any_optimizer_step_keeps_pytorchs_one_warning():
@@ -183,16 +176,9 @@ def test_scheduler_step_before_any_optimizer_step_keeps_pytorchs_one_warning():
 
 
 def test_lint_off_silences_every_lint():
-    ampguard.install(lint=False, nonfinite="off")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu")
-        scaled_iteration(m, opt, scaler, unscale=False)
-        autocast_iteration(m, opt, scaler, torch.bfloat16)
-        fp16_adam_step(1e-8)
-    assert ours(caught) == []
+    assert lint_warnings(lambda *a: scaled_iteration(*a, unscale=False),
+                         lambda *a: autocast_iteration(*a, torch.bfloat16),
+                         lambda *a: fp16_adam_step(1e-8), lint=False, nonfinite="off") == []
 
 
 def test_lints_under_warnings_as_errors_raise_at_the_user_line():
