@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import AmpGuardError, AmpGuardWarning
+from ._guard import internal_failure
 
 # (feature, collect, consume): collect() -> tensors waiting for a read; consume(values) judges them
 _participants: list[tuple[str, Callable[[], list], Callable[[list[float]], None]]] = []
@@ -66,9 +67,3 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
 
 def _nothing() -> None:
     return None
-
-
-def internal_failure(feature: str, exc: BaseException) -> None:
-    from ._guard import internal_failure as report  # late: _guard is imported after this module
-
-    report(feature, exc)

@@ -16,7 +16,11 @@ traced. Each op records an on-device float32 sum of each floating output (NaN, +
 survive a sum), its first user frames, the module running, and which recorded ops produced its
 inputs. The sink statuses wait in ``_sync``'s shared read: the optimizer pre-step hook asks for
 it, and GradScaler.update() already does one. Only when a sink fails are the op records read and
-walked back to the origin.
+walked back to the origin. An op whose input entered the traced ops already non-finite (data, a
+parameter, an untraced compiled function's output) is never blamed: the input is reported.
+
+The tracer starts inside DDP/DataParallel/FSDP wrappers, and steps aside while dynamo traces
+(``torch.compiler.is_compiling()``): a ``torch.compile``d module is recorded as one op.
 """
 
 from __future__ import annotations
@@ -44,9 +48,9 @@ class OpRecord:
 
     def __init__(self, func: Any, frames: tuple, module: Any, inputs: tuple, status: Any, ref: Any,
                  shape: Any = None, dtype: Any = None, outside: tuple = ()) -> None:
-        # floating inputs no recorded op produced, as (weakref, status): parameters and buffers are still
-        # alive at the check and keep status None; anything else (data, the output of a compiled
-        # function) may be freed by then, so its status is taken when it is first used
+        # floating inputs no recorded op produced, as (weakref, status, shape, dtype): parameters and
+        # buffers are still alive at the check and keep status None; anything else (data, the output
+        # of a compiled function) may be freed by then, so its status is taken when first used
         self.outside = outside
         self.shape = shape
         self.dtype = dtype
