@@ -15,13 +15,13 @@ import logging
 import os
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from . import _options
 from ._errors import AmpGuardError, AmpGuardWarning
+from ._frames import warn_at_user
 from ._patching import REGISTRY
 
 log = logging.getLogger("ampguard")
@@ -256,13 +256,10 @@ def internal_failure(feature: str, exc: BaseException) -> None:
         # under it. The feature's hooks return at once from now on.
         g._refresh()
     if first:
-        warnings.warn(
+        warn_at_user(
             f"ampguard: internal error in {feature} ({type(exc).__name__}: {exc}); {feature} is switched off "
             "for the rest of this run and PyTorch's own behaviour is used. The 'ampguard' logger has the "
-            "traceback; please report it.",
-            AmpGuardWarning,
-            stacklevel=3,
-        )
+            "traceback; please report it.")
 
 
 def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:

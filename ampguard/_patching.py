@@ -20,7 +20,6 @@ import pkgutil
 import sys
 import threading
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import wrapt
 
 from ._errors import AmpGuardWarning
+from ._frames import warn_at_user
 
 log = logging.getLogger("ampguard")
 
@@ -274,8 +274,7 @@ def _warn_untouched(cls: type, target: Target, reason: str) -> None:
         return
     _untouched_warned.add((id(cls), target.name))
     log.warning("ampguard leaves %s.%s untouched: %s", cls.__qualname__, target.name, reason)
-    warnings.warn(f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}", AmpGuardWarning,
-                  stacklevel=2)
+    warn_at_user(f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}")  # at the class statement
 
 
 def _report_failure(what: str, exc: BaseException) -> None:

@@ -34,8 +34,8 @@ import weakref
 from typing import Any
 
 from .. import _guard, _sync
-from .._errors import AmpGuardWarning, NonFiniteError
-from .._frames import user_frames
+from .._errors import NonFiniteError
+from .._frames import user_frames, warn_at_user
 from .._guard import DEPTH, fail_safe, internal_failure
 from .._patching import REGISTRY, Switch, Target
 from ..lints import eps_message
@@ -225,8 +225,8 @@ def _record(g: _guard.Guard, func: Any, args: tuple, kwargs: dict | None, out: A
             _eager_check(g, record, index, outside)
     if len(records) > MAX_RECORDS:
         T.full = True
-        warnings.warn(f"ampguard: more than {MAX_RECORDS} ops recorded without a sink check; origin tracing is "
-                      "paused until the next optimizer step", AmpGuardWarning, stacklevel=4)
+        warn_at_user(f"ampguard: more than {MAX_RECORDS} ops recorded without a sink check; origin tracing is "
+                     "paused until the next optimizer step")
 
 
 def _outside_entry(tensor: Any) -> tuple:
@@ -505,7 +505,7 @@ def _fail(g: _guard.Guard, p: _Pending, values: list[float] | None) -> None:
         key = (error.sink, tuple(error.origin[-1][:2]) if error.origin else None)
         if key not in warned:
             warned.add(key)
-            warnings.warn(str(error), AmpGuardWarning, stacklevel=4)
+            warn_at_user(str(error))
         return
     raise error
 
