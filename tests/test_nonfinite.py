@@ -359,3 +359,12 @@ def test_a_nan_parameter_is_named():
         model.fc.weight[0, 0] = float("nan")
     err = failing_step(model, torch.ones(2, 4))
     assert "It entered the traced ops already non-finite: parameter 'fc.weight' (shape (4, 4)" in str(err)
+
+
+def test_warn_mode_under_warnings_as_errors_raises_the_warning_not_an_internal_error():
+    g = ampguard.install(nonfinite="warn", trace="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ampguard.AmpGuardWarning)
+        with pytest.raises(ampguard.AmpGuardWarning, match=r"torch\.sqrt"):
+            CausalAttention(bad_sqrt=True)(torch.randn(2, 6, 8))
+    assert "nonfinite" not in g._disabled

@@ -34,7 +34,7 @@ import weakref
 from typing import Any
 
 from .. import _guard, _sync
-from .._errors import NonFiniteError
+from .._errors import AmpGuardWarning, NonFiniteError
 from .._frames import user_frames, warn_at_user
 from .._guard import DEPTH, fail_safe, internal_failure
 from .._patching import REGISTRY, Switch, Target
@@ -167,7 +167,7 @@ def _make_mode() -> Any:
                 return out
             try:
                 _record(g, func, args, kwargs, out)
-            except NonFiniteError:
+            except (NonFiniteError, AmpGuardWarning):  # intended: an error, or a warning the user made one
                 raise
             except Exception as exc:
                 internal_failure(FEATURE, exc)
@@ -386,7 +386,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         T.backward_since_check = True
         if g.options.trace == "eager":
             check()
-    except NonFiniteError:
+    except (NonFiniteError, AmpGuardWarning):  # intended: an error, or a warning the user made one
         raise
     except Exception as exc:
         internal_failure(FEATURE, exc)
