@@ -89,6 +89,10 @@ class ObjectState(Generic[V]):
         data[key] = (weakref.ref(obj, drop), value)
         return value
 
+    def items(self) -> list[tuple[Any, V]]:
+        """The (object, value) pairs whose object is still alive."""
+        return [(obj, value) for ref, value in list(self._data.values()) if (obj := ref()) is not None]
+
     def pop(self, obj: Any) -> V | None:
         value = self.get(obj)
         if value is not None:

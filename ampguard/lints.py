@@ -54,8 +54,7 @@ class _Iteration:
 
 class _State:
     def __init__(self) -> None:
-        self.iterations: ObjectState[_Iteration] = ObjectState(lambda _: _Iteration())
-        self.scalers: list[weakref.ref] = []
+        self.iterations: ObjectState[_Iteration] = ObjectState(lambda _: _Iteration())  # per GradScaler
         self.stepped: ObjectState[bool] = ObjectState(lambda _: True)
         self.warned: set[str] = set()
 
@@ -88,11 +87,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        state = _state(g)
-        record = state.iterations.get(instance)
-        if record is None:
-            record = state.iterations.set(instance, _Iteration())
-            state.scalers = [r for r in state.scalers if r() is not None] + [weakref.ref(instance)]
+        record = _state(g).iterations.of(instance)
         token = instance._per_optimizer_states
         if record.token is not token:
             record.token, record.unscaled = token, []
@@ -155,10 +150,8 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
     state = _state(g)
     if "clip" in state.warned:
         return
-    for ref in state.scalers:
-        scaler = ref()
-        record = state.iterations.get(scaler) if scaler is not None else None
-        if record is None or record.token is not scaler._per_optimizer_states or not scaler._enabled:
+    for scaler, record in state.iterations.items():
+        if record.token is not scaler._per_optimizer_states or not scaler._enabled:
             continue  # no loss scaled by this scaler since its last update()
         unscaled = {id(p) for r in record.unscaled if (opt := r()) is not None
                     for group in opt.param_groups for p in group["params"]}
