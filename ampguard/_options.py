@@ -288,10 +288,8 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     text = environ.get(name)
     if text is None or text.strip() == "":
         return default
-    low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ConfigError(f"ampguard: environment variable {name} got {text!r}; "
-                      "accepted values: 1/0, true/false, yes/no, on/off")
+    try:
+        return _env_bool(text)
+    except _Reject:
+        raise ConfigError(f"ampguard: environment variable {name} got {text!r}; "
+                          "accepted values: 1/0, true/false, yes/no, on/off") from None

@@ -346,9 +346,7 @@ def _forward_pre(module: Any, args: Any) -> None:
 
 @fail_safe(FEATURE)
 def _forward_post(module: Any, args: Any, output: Any) -> None:
-    import torch
-
-    if torch.compiler.is_compiling():
+    if _torch.compiler.is_compiling():
         return
     g = _guard.current(FEATURE)
     if g is None or not T.stack or T.stack[-1] is not module:
@@ -363,7 +361,7 @@ def _forward_post(module: Any, args: Any, output: Any) -> None:
     for o in outputs:
         if o.is_floating_point() and o.numel() and _watched(g, o):
             _add_tensor_sink(g, f"output of module '{type(module).__name__}'", o, nan_only=True, keep=False)
-    if outputs and not torch.is_grad_enabled():
+    if outputs and not _torch.is_grad_enabled():
         check()  # no backward will come (inference): check now
 
 
