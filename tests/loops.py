@@ -31,8 +31,11 @@ def lr(opt: torch.optim.Optimizer) -> float:
     return float(opt.param_groups[0]["lr"])
 
 
-def scaled_loop(make_sched, iterations: int, overflow=(), *, make_opt=None, scaler=None):
-    """Train with a GradScaler; return (lrs after each applied iteration, model, scheduler, scaler)."""
+def scaled_loop(make_sched, iterations: int, overflow=(), *, make_opt=None, scaler=None, before_step=None):
+    """Train with a GradScaler; return (lrs after each applied iteration, model, scheduler, scaler).
+
+    ``before_step(model, optimizer, scaler)`` runs between backward and ``scaler.step`` (unscale, clip).
+    """
     m = model()
     opt = (make_opt or (lambda p: torch.optim.SGD(p, lr=0.1)))(m.parameters())
     sched = make_sched(opt)
@@ -44,6 +47,8 @@ def scaled_loop(make_sched, iterations: int, overflow=(), *, make_opt=None, scal
         x, y = data(i)
         loss = torch.nn.functional.mse_loss(m(x), y)
         scaler.scale(loss).backward()
+        if before_step is not None:
+            before_step(m, opt, scaler)
         scaler.step(opt)
         scaler.update()
         sched.step()

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, data, model, reference_loop
+from loops import Overflow, data, model, reference_loop, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -22,26 +22,15 @@ def ours(caught):
     return [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
 
 
+def unscale_and_clip(m, opt, scaler):
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 10.0)
+
+
 def amp_loop(overflow=(0, 3), iterations=6):
     """GradScaler + a warm-up scheduler + clipping after unscale_: every feature has work to do."""
-    m = model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    sched = S.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    scaler = torch.amp.GradScaler("cpu")
-    hook = Overflow(m[0].weight, overflow)
-    lrs = []
-    for i in range(iterations):
-        hook.i = i
-        x, y = data(i)
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 10.0)
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        opt.zero_grad()
-        lrs.append(opt.param_groups[0]["lr"])
+    lrs, m, _, _ = scaled_loop(lambda opt: S.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)), iterations, overflow,
+                               make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2), before_step=unscale_and_clip)
     return lrs, [p.detach().clone() for p in m.parameters()]
 
 
