@@ -223,8 +223,19 @@ def uninstall() -> None:
     with _lock:
         if _active is None and not REGISTRY.installed:
             return
-        REGISTRY.uninstall()
-        _set_active(None)
+        try:
+            _settle(_active, error=False)  # checks no step consumed are read before the guard goes
+        finally:
+            REGISTRY.uninstall()
+            _set_active(None)
+
+
+def _settle(g: Guard | None, error: bool) -> None:
+    """Read the checks still pending in ``g`` (raising if one failed), or drop them if an error is leaving."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    sinks = sys.modules.get("ampguard.nonfinite.sinks")
+    if g is not None and sinks is not None:
+        sinks.settle(g, error)
 
 
 @contextlib.contextmanager
@@ -237,15 +248,22 @@ def guard(**options: Any) -> Iterator[Guard]:
             # A nested guard: fresh counters, the outer options with these on top.
             g = Guard(previous.options.replace(**options))
             _set_active(g)
+    error = True
     try:
         yield g
+        error = False
     finally:
         with _lock:
-            if previous is None:
+            try:
                 if _active is g:
-                    uninstall()
-            else:
-                _set_active(previous)
+                    _settle(g, error)
+            finally:
+                if previous is None:
+                    if _active is g:
+                        REGISTRY.uninstall()
+                        _set_active(None)
+                else:
+                    _set_active(previous)
 
 
 def internal_failure(feature: str, exc: BaseException) -> None:
@@ -266,20 +284,21 @@ def internal_failure(feature: str, exc: BaseException) -> None:
             "traceback; please report it.")
 
 
-def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A torch hook that never breaks the user's run: intended errors and warnings-as-errors pass,
-    an ampguard bug switches ``feature`` off and PyTorch's behaviour goes on."""
+    an ampguard bug switches ``feature`` off and PyTorch's behaviour goes on (the hook returns None)."""
 
-    def decorate(hook: Callable[..., Any]) -> Callable[..., None]:
+    def decorate(hook: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(hook)
-        def safe(*args: Any) -> None:
+        def safe(*args: Any) -> Any:
             __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
             try:
-                hook(*args)
+                return hook(*args)
             except (AmpGuardError, AmpGuardWarning):
                 raise
             except Exception as exc:
                 internal_failure(feature, exc)
+                return None
 
         return safe
 

@@ -181,15 +181,23 @@ _spec(
     _nonfinite_env,
     "What to do when a NaN/Inf reaches a sink: raise NonFiniteError, warn once per origin, or not check.",
 )
-_trace_check, _trace_env = _choice("deferred", "eager", "off")
+_trace_choice, _trace_env = _choice("replay", "deferred", "eager", "off")
+
+
+def _trace_check(value: Any) -> str:
+    value = _trace_choice(value)
+    return "replay" if value == "deferred" else value  # "deferred" names the same design, kept for old configs
+
+
 _spec(
     "trace",
-    "deferred",
-    "'deferred', 'eager' or 'off'",
+    "replay",
+    "'replay', 'eager' or 'off' ('deferred' is accepted as 'replay')",
     _trace_check,
     _trace_env,
-    "How to find the op that created a non-finite value: record ops and walk back when a sink fails "
-    "(deferred), check every op as it runs (eager, slow, for debugging), or only check the sinks (off).",
+    "How to find the op that created a non-finite value: re-run the failing call op by op when a sink fails "
+    "(replay, free until then), check every op as it runs (eager, slow, for debugging), or only check the "
+    "sinks (off).",
 )
 _spec(
     "devices",
@@ -220,7 +228,7 @@ class Options:
     closures: bool = True
     lint: bool = True
     nonfinite: str = "raise"
-    trace: str = "deferred"
+    trace: str = "replay"
     devices: tuple[str, ...] | None = None
 
     def replace(self, **changes: Any) -> Options:

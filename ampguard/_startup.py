@@ -27,7 +27,17 @@ def activate_from_env(source: str = "AMPGUARD=1") -> _guard.Guard | None:
         return None
     if report:
         atexit.register(report_at_exit, g)
+    atexit.register(settle_at_exit, g)  # runs first (atexit is last-in, first-out)
     return g
+
+
+def settle_at_exit(g: _guard.Guard) -> None:
+    """Read the checks that no step consumed (a script that ends after a forward), and say what failed."""
+    try:
+        if _guard.active() is g:
+            _guard._settle(g, error=sys.exc_info()[0] is not None)
+    except Exception as exc:  # at exit a traceback helps nobody; the message is the story
+        print(str(exc), file=sys.stderr, flush=True)
 
 
 def report_at_exit(g: _guard.Guard) -> None:

@@ -49,7 +49,9 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
         return [], _nothing
     if device is None:
         device = parts[0].device
-    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1).float() for t in parts]
+    # float64: a status is a largest magnitude in its own dtype, and a finite float64 may exceed float32
+    wide = torch.float32 if device.type == "mps" else torch.float64
+    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1).to(wide) for t in parts]
     values = torch.cat(flat).tolist()
 
     def settle() -> None:

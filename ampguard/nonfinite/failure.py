@@ -1,0 +1,346 @@
+"""A sink failed: replay what produced it, and write the error for the person reading it at 2 a.m."""
+
+from __future__ import annotations
+
+import logging
+import re
+import weakref
+from typing import Any
+
+from .. import _guard
+from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
+from .._frames import warn_at_user
+from ..lints import eps_message
+from . import replay, report, sinks
+from .sinks import T, Call, Pending
+
+log = logging.getLogger("ampguard")
+
+_CAUSES = ("  Common causes under AMP: log/div of 0 or of a value that saturated in fp16; an activation above "
+           "65504 in fp16; a collapsing loss scale; Adam's eps rounding to 0 in fp16.")
+_NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and grad mode, {what} stayed finite: the "
+                   "value did not reproduce. Causes: a nondeterministic kernel, state that the first call changed "
+                   "(a cache, a counter, an input updated in place), or a transient hardware fault.")
+
+
+def fail(g: _guard.Guard, p: Pending) -> None:
+    """Count, explain and raise (or warn once per sink and module) for the failed sink ``p``."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    g.stats.nonfinite_detected += 1
+    window, losses = T.window, T.losses
+    T.pending = [q for q in T.pending if q.guard is not g]
+    sinks._clear_window()
+    key = None
+    if g.options.nonfinite == "warn":
+        module = p.call.module if p.call is not None else None
+        key = (p.sink, type(module) if module is not None else None)
+        warned = g.feature_state("nonfinite_warned", set)
+        if key in warned:
+            return  # warn mode replays once per origin site
+        warned.add(key)
+    try:
+        error = build(g, p, window, losses)
+    except (AmpGuardError, AmpGuardWarning):
+        raise
+    except Exception as exc:  # the explanation failed, the detection did not: still report it
+        log.error("ampguard: the replay of a non-finite %s failed", p.sink, exc_info=exc)
+        error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
+                           "log. What the sinks know follows.)"])
+    emit(g, error)
+
+
+def emit(g: _guard.Guard, error: NonFiniteError) -> None:
+    __tracebackhide__ = True
+    if g.options.nonfinite == "warn":
+        warn_at_user(str(error))
+        return
+    raise error
+
+
+def build(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
+    if p.params is not None:
+        if p.sink.startswith("gradients"):
+            return _gradient_error(g, p, window, losses)
+        return _parameter_error(g, p)
+    return _forward_error(g, p, window)
+
+
+# -- loss and output sinks -------------------------------------------------------------------
+def _sink_tensor(p: Pending) -> Any:
+    return p.tensor() if isinstance(p.tensor, weakref.ref) else p.tensor
+
+
+def _plain(p: Pending, lines: list[str], kind: str | None = None) -> NonFiniteError:
+    tensor = _sink_tensor(p)
+    if kind is None:
+        kind = report.kind_of(float(sinks.status(tensor))) if tensor is not None else None
+        kind = kind or "nan"
+    head = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}."]
+    tail = [f"  {p.sink}: {report.describe_tensor(tensor)}", _CAUSES]
+    return NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=p.sink)
+
+
+def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
+    if g.options.trace == "off":
+        return _plain(p, ["  No origin is known (tracing is off: trace='off'); run with trace='replay' (the "
+                          "default) to find the op that created it."])
+    original = _sink_tensor(p)
+    if p.call is None and not _produced_in(window, original):
+        return _plain(p, ["  No origin is known: the loss was not computed from a module call ampguard saw (it "
+                          "checks the outermost module calls and the loss code that follows them)."])
+    session = replay.Session()
+    with replay.untouched(window):
+        replay.run_window(session, window)
+        target = _replayed(session, p, original)
+        return _explain(g, p, session, window, target)
+
+
+def _produced_in(window: list, tensor: Any) -> bool:
+    return tensor is not None and any(ref() is tensor for event in window for ref, _ in event.outputs)
+
+
+def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:
+    if p.call is not None:
+        return replay.replayed_output(session, p.call, p.key)
+    return session.mapping.get(id(original)) if original is not None else None
+
+
+def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list, target: Any) -> NonFiniteError:
+    original = _sink_tensor(p)
+    if target is None:
+        reason = next(iter(session.unreplayed.values()), None)
+        why = f"it was not replayed: {reason}" if reason else "it was not made by a replayed call"
+        return _plain(p, [f"  No origin is known: {why}."])
+    found = replay.kinds(target)
+    wanted = "nan" if p.nan_only else None
+    if not found or (wanted and wanted not in found):
+        lines = [_NOT_REPRODUCED.format(what="the " + p.sink)]
+        call = p.call or next((c for c in reversed(window) if type(c) is Call), None)
+        if call is not None and call.steps != T.steps:
+            lines.append("  An optimizer step was applied after the call, so the replay ran with the updated "
+                         "parameters.")
+        return _plain(p, lines)
+    start = session.producer_of(target)
+    kind = replay.primary(found) or "nan"
+    if start is None:
+        return _plain(p, ["  No origin is known: the replayed value was not made by an op ampguard saw."], kind)
+    result = replay.walk(session, start)
+    return _origin_error(g, p, session, window, result, kind)
+
+
+def _label(rec: replay.OpRecord) -> tuple[str, str]:
+    """(how the op reads in the message, what err.op is): torch.log where the aten op is the torch call's
+    own, aten.bmm inside torch.nn.functional.multi_head_attention_forward where it is one of many."""
+    aten = rec.name.partition(".")[2].strip("_")
+    if rec.fn is not None:
+        fn = report.op_name(rec.fn)
+        if fn.rpartition(".")[2].strip("_").rstrip("_") == aten.rstrip("_"):
+            return fn, fn
+        return f"{rec.name} inside {fn}", rec.name
+    return rec.name, rec.name
+
+
+def _roots(g: _guard.Guard, window: list) -> list:
+    known = [ref() for ref in sinks.roots(g).values()]
+    return [c.module for c in window if type(c) is Call] + [m for m in known if m is not None]
+
+
+def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: list, result: dict,
+                  kind: str) -> NonFiniteError:
+    records = session.records
+    rec = records[result["origin"]]
+    label, op = _label(rec)
+    module = report.module_path(rec.root, rec.module)
+    own, user_site, user = report.sites(rec.frames)
+    names = report.tensor_names(_roots(g, window))
+    lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.",
+             "  Found by replaying the call op by op (same inputs, RNG state, autocast and grad mode)."]
+    origin_kinds = report.kinds_words(rec.kinds)
+    in_module = f" in module '{module}'" if module else ""
+    entered = result["entered"]
+    if entered is not None:
+        tensor, entered_kinds = entered[0](), entered[1]
+        what = _leaf_name(session, names, tensor)
+        lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): {what}, an input of "
+                     f"{label}{in_module} at\n    {report.where(own)}")
+        lines.append("  No replayed op produced that input: it is the data, a parameter or buffer, or the output "
+                     "of code ampguard did not replay.")
+        if tensor is not None:
+            lines.append(f"  input: {report.describe_tensor(tensor)}")
+        op = module = None
+    else:
+        lines.append(f"  It was created by {label} (inputs finite, output {origin_kinds}){in_module} at\n"
+                     f"    {report.where(own)}")
+        if user_site is not None and user_site != own:
+            lines.append(f"  called from your code at\n    {report.where(user_site)}")
+        alive = rec.ref()
+        lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
+                     f"  value: shape {rec.shape}, {rec.dtype}")
+    if result["transition"] is not None:
+        t_rec = records[result["transition"]]
+        t_label, _ = _label(t_rec)
+        t_own, _, _ = report.sites(t_rec.frames)
+        lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
+    masks = result["masks"]
+    if masks:
+        mask_names = sorted({_leaf_name(session, names, m[0]()) for m in masks})
+        lines.append(f"  Inputs that hold only -Inf, as attention masks do, were not counted as a cause: "
+                     f"{', '.join(mask_names)}.")
+    chain = [_label(records[i])[0] for i in result["path"]]
+    shown = chain if len(chain) <= 8 else [*chain[:3], f"... {len(chain) - 6} ops ...", *chain[-3:]]
+    lines.append(f"  path to the sink: {' -> '.join(shown)}")
+    if user:
+        lines.append("  your stack at the origin (innermost last):")
+        lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
+    tensor = _sink_tensor(p)
+    lines.append(f"  {p.sink}: {report.describe_tensor(tensor)}")
+    lines.append(_CAUSES)
+    return NonFiniteError("\n".join(lines), kind=kind, sink=p.sink, op=op, module=module,
+                          origin=report.stack_summary(user) if user else None, chain=chain)
+
+
+def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
+    if tensor is None:
+        return "a tensor freed before the report"
+    name = names.get(id(tensor))
+    if name is not None:
+        return name
+    reason = session.unreplayed.get(id(tensor))
+    if reason is not None:
+        return f"the output of a call that was not replayed ({reason})"
+    if id(tensor) in session.cloned:
+        return f"{session.cloned[id(tensor)]} (the data, or a tensor made by code ampguard did not record)"
+    return "a tensor made outside the replayed calls"
+
+
+# -- gradient sinks ----------------------------------------------------------------------------
+_NODE = re.compile(r"^(?P<name>[A-Za-z0-9_]+?)Backward\d*$")
+
+
+def _first_bad(params: list, grads: bool) -> Any:
+    for param in params:
+        t = param.grad if grads else param
+        if t is not None and replay.kinds(t):
+            return param, t
+    return None, None
+
+
+def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
+    names = report.tensor_names(_roots(g, window))
+    param, grad = _first_bad(p.params, grads=True)
+    name = _param_name(names, p.params, param)
+    found = replay.kinds(grad) if grad is not None else frozenset({"nan"})
+    kind = replay.primary(found) or "nan"
+    sink = f"gradient of {name}"
+    lines = [f"ampguard: {report.kind_word(kind)} in the {sink} before the optimizer step (the step was not "
+             "taken; the parameters are unchanged).",
+             f"  {sink}: {report.describe_tensor(grad)}"]
+    op = None
+    origin = None
+    if g.options.trace == "off":
+        lines.append("  No origin is known (trace='off').")
+    elif not any(type(c) is Call and c.grad for c in window):
+        lines.append("  No origin is known: no module call with gradients was seen since the last check.")
+    else:
+        op, origin, more = _replay_backward(g, window, losses)
+        lines.extend(more)
+    lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or "
+                 "pow at 0, log near 0, division by a small value, the torch.where trick).")
+    return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, origin=origin)
+
+
+def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, Any, list[str]]:
+    session = replay.Session()
+    with replay.untouched(window), replay.anomaly_metadata():
+        replay.run_window(session, window)
+        loss = next((session.mapping[id(t)] for t in reversed(losses) if id(t) in session.mapping), None)
+        how = []
+        if loss is None or loss.grad_fn is None:
+            call = next(c for c in reversed(window) if type(c) is Call and c.grad)
+            outs = [session.mapping.get(id(ref())) for ref, _ in call.outputs if ref() is not None]
+            outs = [o for o in outs if o is not None and o.grad_fn is not None]
+            if not outs:
+                return None, None, ["  No origin is known: the replayed forward made no graph."]
+            loss = sum((o.float().sum() for o in outs), sinks._torch.zeros(()))
+            how = ["  (The loss code was not recorded, so the replayed backward started from the model's output "
+                   "with a gradient of ones, not the original one.)"]
+        params = [q for c in window if type(c) is Call for q in c.module.parameters()]
+        found = replay.backward_origin(session, loss, params)
+    if not found:
+        return None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
+    m = _NODE.match(found["node"])
+    forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
+    own, user_site, user = report.sites(found["frames"])
+    lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
+             f"{report.kinds_words(found['kinds'])}. Its forward op is at\n    {report.where(own)}"]
+    if user_site is not None and user_site != own:
+        lines.append(f"  called from your code at\n    {report.where(user_site)}")
+    return forward, report.stack_summary(user) if user else None, [*lines, *how]
+
+
+# -- parameter sinks -------------------------------------------------------------------------
+def _param_name(names: dict, params: list, param: Any) -> str:
+    """Its dotted name in the model that owns it, or its place in the optimizer if no model call was seen."""
+    if param is None:
+        return "a parameter"
+    return names.get(id(param)) or f"parameter '#{next(i for i, q in enumerate(params) if q is param)}'"
+
+
+def _parameter_error(g: _guard.Guard, p: Pending) -> NonFiniteError:
+    names = report.tensor_names(_roots(g, []))
+    param, tensor = _first_bad(p.params, grads=False)
+    name = _param_name(names, p.params, param)
+    kind = replay.primary(replay.kinds(tensor)) if tensor is not None else "nan"
+    sink = name
+    lines = [f"ampguard: {report.kind_word(kind)} in {name} after the optimizer step.",
+             f"  {name}: {report.describe_tensor(tensor)}"]
+    optimizer = p.optimizer() if p.optimizer is not None else None
+    hint = eps_message(optimizer) if optimizer is not None else ""
+    if hint:
+        lines.append("  " + hint[0].upper() + hint[1:])
+    else:
+        lines.append("  The gradients were finite (or a GradScaler let the step through), so the step itself made "
+                     "it: a learning rate that diverges, an eps that rounds to 0, or parameters set by hand.")
+    return NonFiniteError("\n".join(lines), kind=kind or "nan", sink=sink)
+
+
+# -- eager -----------------------------------------------------------------------------------
+def check_eager(op: sinks.TapeOp, outs: list) -> None:
+    """trace='eager': stop at the op that made a NaN from inputs without one, as it runs."""
+    __tracebackhide__ = True
+    torch = sinks._torch
+    with torch._C.DisableTorchFunction():
+        bad = [o for o, _ in outs if bool(torch.isnan(o).any())]
+        if not bad:
+            return
+        from torch.utils._pytree import tree_leaves
+
+        inputs = [t for t in tree_leaves((op.args, op.kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if any(bool(torch.isnan(t).any()) for t in inputs):
+            return
+    g = _guard.current(sinks.FEATURE)
+    if g is None:
+        return
+    g.stats.nonfinite_detected += 1
+    label = report.op_name(op.func)
+    stack = T.eager_stack
+    module = report.module_path(stack[0], stack[-1]) if stack else None
+    own, user_site, user = report.sites(op.frames)
+    lines = [f"ampguard: {label} created NaN from inputs without NaN"
+             + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
+    if user_site is not None and user_site != own:
+        lines.append(f"  called from your code at\n    {report.where(user_site)}")
+    lines.append(f"  value: {report.describe_tensor(bad[0])}")
+    if user:
+        lines.append("  your stack at the origin (innermost last):")
+        lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
+    lines.append(_CAUSES)
+    sink = "the output of this op"
+    if g.options.nonfinite == "warn":
+        warned = g.feature_state("nonfinite_warned", set)
+        key = (sink, own)
+        if key in warned:
+            return
+        warned.add(key)
+    emit(g, NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=label, module=module,
+                           origin=report.stack_summary(user) if user else None, chain=[label]))

@@ -1,0 +1,450 @@
+"""The failure path: re-run what produced a non-finite sink, op by op, and find where it began.
+
+A replay re-runs the window, the outermost module calls and the loss code since the last read,
+in order, with the same inputs, RNG state, autocast and grad mode. A TorchDispatchMode sees
+every aten op, including those inside Python functionals (``F.multi_head_attention_forward``)
+and, through the original module and ``set_stance("force_eager")``, inside compiled modules.
+Each op records which kinds of non-finite values its output holds and which recorded ops
+produced its inputs; the origin is found by walking back from the sink.
+
+A replay leaves no trace: buffers are restored, the RNG state ends as it was, no graph or
+reference survives it, parameters are never written. Where it is unsafe (FSDP's collectives,
+SyncBatchNorm, a module with ``ampguard_replay = False``) the call is not re-run, and says why.
+
+Gradient sinks re-run the forward with autograd's anomaly metadata on, then the backward with
+``torch.autograd.grad`` (``.grad`` is untouched) and a hook on every node: the first node that
+turned finite incoming gradients into non-finite ones is the origin, named by its forward line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from . import sinks
+from .sinks import T, Call, TapeOp
+
+FRAMES = 40  # user frames kept per replayed op
+
+
+class OpRecord:
+    __slots__ = ("dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "ref", "root", "shape")
+
+    def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
+                 kinds: frozenset, ref: Any, shape: Any, dtype: Any) -> None:
+        self.root = root  # the replayed module the op ran in, for dotted names
+        self.name = name  # the aten op, e.g. "aten.bmm"
+        self.fn = fn  # the top-level torch function being replayed when the op ran, if any
+        self.frames = frames
+        self.module = module
+        self.inputs = inputs  # indices of the records that produced its tensor inputs
+        self.leaves = leaves  # (weakref, kinds) of non-finite tensor inputs no replayed op produced
+        self.kinds = kinds  # subset of {"nan", "inf", "-inf"} present in the output
+        self.ref = ref
+        self.shape = shape
+        self.dtype = dtype
+
+
+class Session:
+    """The ops of one replay, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.records: list[OpRecord] = []
+        self.producer: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, record index)
+        self.leaf_kinds: dict[int, tuple[Any, frozenset]] = {}
+        self.fn: Any = None  # the top-level torch function running now
+        self.frames: tuple | None = None  # recorded frames of the loss-code op being replayed
+        self.stop: Any = None  # the code object at which frame walks stop (the replay driver)
+        self.mapping: dict[int, Any] = {}  # id(original tensor) -> its replayed counterpart
+        self.keep: list = []  # originals whose ids are keys of mapping, kept alive while it is used
+        self.unreplayed: dict[int, str] = {}  # id(original output) -> why its call was not re-run
+        self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
+        self.site: tuple | None = None  # the user's frame that made the call being replayed
+        self.alive: list = []  # non-finite outputs, kept for the report while the session lives
+
+    def producer_of(self, tensor: Any) -> int | None:
+        entry = self.producer.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def kinds_of_leaf(self, tensor: Any) -> frozenset:
+        entry = self.leaf_kinds.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        found = kinds(tensor)
+        self.leaf_kinds[id(tensor)] = (weakref.ref(tensor), found)
+        return found
+
+    def note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        torch = sinks._torch
+        from torch.utils._pytree import tree_leaves
+
+        outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if not outputs:
+            return
+        inputs, leaves = [], []
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                index = self.producer_of(t)
+                if index is not None:
+                    inputs.append(index)
+                elif t.numel():
+                    found = self.kinds_of_leaf(t)
+                    if found:
+                        leaves.append((weakref.ref(t), found))
+        if self.frames is not None:
+            frames = self.frames
+        else:
+            frames = _walk(sys._getframe(2), self.stop) + ((self.site,) if self.site is not None else ())
+        stack = T.replay_stack
+        module, root = (stack[-1], stack[0]) if stack else (None, None)
+        name = _aten_name(func)
+        for o in outputs:
+            index = len(self.records)
+            found = kinds(o) if o.numel() else frozenset()
+            if found and len(self.alive) < 4096:
+                self.alive.append(o)
+            self.records.append(OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
+                                         weakref.ref(o), tuple(o.shape), o.dtype))
+            self.producer[id(o)] = (weakref.ref(o), index)
+
+
+def kinds(tensor: Any) -> frozenset:
+    """Which of NaN, +Inf and -Inf a tensor holds (failure path: reads the device)."""
+    torch = sinks._torch
+    with torch._C.DisableTorchFunction():
+        t = tensor.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if bool(torch.isfinite(t).all()):
+            return frozenset()
+        found = set()
+        if bool(torch.isnan(t).any()):
+            found.add("nan")
+        if bool(torch.isposinf(t).any()):
+            found.add("inf")
+        if bool(torch.isneginf(t).any()):
+            found.add("-inf")
+        return frozenset(found)
+
+
+def _aten_name(func: Any) -> str:
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet, "__name__", None) or str(func)
+    namespace = getattr(func, "namespace", "aten")
+    return f"{namespace}.{name}"
+
+
+def _walk(frame: Any, stop: Any) -> tuple:
+    out = []
+    while frame is not None and len(out) < FRAMES:
+        if frame.f_code is stop:
+            break
+        out.append((frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def _modes(session: Session) -> Any:
+    torch = sinks._torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Checker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            session.note(func, args, kwargs or {}, out)
+            return out
+
+    class Names(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            outer, session.fn = session.fn, func if session.fn is None else session.fn
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                session.fn = outer
+
+    return Checker(), Names()
+
+
+# -- unsafe calls --------------------------------------------------------------------------
+def unsafe(call: Call) -> str | None:
+    """Why re-running this call could harm the run, or None."""
+    module = getattr(call.module, "_orig_mod", call.module)
+    for m in module.modules():
+        if getattr(m, "ampguard_replay", True) is False:
+            return f"module '{type(m).__name__}' opts out (ampguard_replay = False)"
+        names = {c.__name__ for c in type(m).__mro__}
+        if names & {"FullyShardedDataParallel", "FSDPModule"}:
+            return "it runs FSDP's collectives in its forward; re-running it on one rank would hang the others"
+        if "SyncBatchNorm" in names and m.training and _distributed():
+            return "SyncBatchNorm all-reduces in its forward; re-running it on one rank would hang the others"
+    return None
+
+
+def _distributed() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# -- running the window ----------------------------------------------------------------------
+@contextlib.contextmanager
+def untouched(window: list) -> Iterator[None]:
+    """Buffers and RNG states exactly as they were afterwards; the normal path stands aside."""
+    torch = sinks._torch
+    roots = {id(c.module): c.module for c in window if type(c) is Call}
+    saved = [(b, b.detach().clone()) for m in roots.values() for b in m.buffers()]
+    cpu = torch.default_generator.get_state()
+    cuda = None
+    if torch.cuda.is_initialized():
+        cuda = [g.get_state() for g in torch.cuda.default_generators]
+    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else \
+        contextlib.nullcontext()
+    T.replaying += 1
+    outer_stack, T.replay_stack = T.replay_stack, []
+    try:
+        with stance, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a replay repeats warnings the user has seen already
+            yield
+    finally:
+        T.replaying -= 1
+        T.replay_stack = outer_stack
+        with torch.no_grad():
+            for b, copy in saved:
+                if b.shape == copy.shape:
+                    b.copy_(copy)
+        torch.default_generator.set_state(cpu)
+        if cuda is not None:
+            for g, state in zip(torch.cuda.default_generators, cuda, strict=False):
+                g.set_state(state)
+
+
+def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
+    torch = sinks._torch
+    if isinstance(value, torch.Tensor):
+        mapped = session.mapping.get(id(value))
+        if mapped is not None:
+            return mapped
+        if clone and not isinstance(value, torch.nn.Parameter):
+            copy = value.detach().clone().requires_grad_(value.requires_grad) if value.is_leaf or \
+                not value.requires_grad else value.detach().clone()
+            session.mapping[id(value)] = copy
+            session.keep.append(value)
+            session.cloned[id(copy)] = where
+            return copy
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map(session, v, clone, where) for v in value)
+    if isinstance(value, list):
+        return [_map(session, v, clone, where) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(session, v, clone, where) for k, v in value.items()}
+    return value
+
+
+def _map_call(session: Session, call: Call, label: str) -> tuple[tuple, dict]:
+    args = tuple(_map(session, a, True, f"argument {i} of the call of '{label}'") for i, a in enumerate(call.args))
+    kwargs = {k: _map(session, v, True, f"argument {k!r} of the call of '{label}'") for k, v in call.kwargs.items()}
+    return args, kwargs
+
+
+def _autocast(state: tuple | None) -> contextlib.ExitStack:
+    torch = sinks._torch
+    stack = contextlib.ExitStack()
+    wanted = dict(state or ())
+    for device in sinks._AUTOCAST_DEVICES:
+        if device in wanted:
+            stack.enter_context(torch.autocast(device, dtype=wanted[device]))
+        elif sinks._autocast_on(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def _set_rng(rng: tuple) -> None:
+    torch = sinks._torch
+    cpu, cuda = rng
+    torch.default_generator.set_state(cpu)
+    if cuda is not None and torch.cuda.is_initialized():
+        torch.cuda.default_generators[cuda[0]].set_state(cuda[1])
+
+
+def run_window(session: Session, window: list) -> None:
+    """Re-run every call and loss-code op of the window in order, under the session's checker."""
+    torch = sinks._torch
+    checker, names = _modes(session)
+    session.stop = run_window.__code__
+    for event in window:
+        if type(event) is Call:
+            reason = unsafe(event)
+            if reason is not None:
+                for ref, _key in event.outputs:
+                    o = ref()
+                    if o is not None:
+                        session.unreplayed[id(o)] = reason
+                continue
+            module = getattr(event.module, "_orig_mod", event.module)
+            args, kwargs = _map_call(session, event, type(module).__name__)
+            _set_rng(event.rng)
+            grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
+            T.replay_stack = [module]
+            session.site = (event.site[0], event.site[1]) if event.site else None
+            try:
+                with grad, _autocast(event.autocast), names, checker:
+                    out = module.forward(*args, **kwargs)
+            finally:
+                T.replay_stack = []
+                session.site = None
+            _map_outputs(session, event.outputs, out)
+        else:
+            op: TapeOp = event
+            args = _map(session, op.args, True, "an input of the loss code")
+            kwargs = _map(session, op.kwargs, True, "an input of the loss code")
+            session.frames = op.frames
+            try:
+                with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
+                    out = op.func(*args, **kwargs)
+            finally:
+                session.frames = None
+            _map_outputs(session, op.outputs, out)
+
+
+def _map_outputs(session: Session, outputs: list, out: Any) -> None:
+    replayed = dict((k, t) for t, k in sinks.floating(out))
+    for ref, key in outputs:
+        original = ref()
+        if original is not None and key in replayed:
+            session.mapping[id(original)] = replayed[key]
+            session.keep.append(original)
+
+
+def replayed_output(session: Session, call: Call, key: Any) -> Any:
+    for ref, k in call.outputs:
+        if k == key:
+            original = ref()
+            if original is not None:
+                return session.mapping.get(id(original))
+    return None
+
+
+# -- walking back ------------------------------------------------------------------------------
+_ORDER = ("nan", "inf", "-inf")
+
+
+def primary(found: frozenset) -> str | None:
+    return next((k for k in _ORDER if k in found), None)
+
+
+def walk(session: Session, start: int) -> dict:
+    """From the record at ``start`` back along non-finite inputs to the op that created the value.
+
+    An input that holds only -inf and that no replayed op produced (an attention mask, say) is
+    not followed from a NaN or +Inf: masks hold -inf on purpose. Produced inputs are preferred to
+    inputs that entered from outside, and the input of the same kind to one of another.
+    """
+    records = session.records
+    path = [start]
+    current = start
+    transition = None
+    masks: list = []
+    entered = None
+    seen = {start}
+    while True:
+        rec = records[current]
+        here = primary(rec.kinds)
+        produced = [i for i in rec.inputs if i not in seen and records[i].kinds]
+        leaves = list(rec.leaves)
+        if here in ("nan", "inf"):
+            masks.extend(leaf for leaf in leaves if leaf[1] == frozenset({"-inf"}))
+            leaves = [leaf for leaf in leaves if leaf[1] != frozenset({"-inf"})]
+        if produced:
+            nxt = _best(produced, here, lambda i: records[i].kinds)
+            if primary(records[nxt].kinds) != here and here not in records[nxt].kinds:
+                transition = current
+            seen.add(nxt)
+            path.append(nxt)
+            current = nxt
+            continue
+        if leaves:
+            entered = leaves[0]
+        break
+    path.reverse()
+    return {"origin": current, "transition": transition, "path": path, "masks": masks, "entered": entered}
+
+
+def _best(candidates: list, here: str | None, kinds_of: Any) -> Any:
+    for kind in ((here,) if here else ()) + _ORDER:
+        for c in candidates:
+            if kind in kinds_of(c):
+                return c
+    return candidates[0]
+
+
+# -- backward --------------------------------------------------------------------------------
+_TRACEBACK_LINE = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+), in (?P<func>.+)')
+
+
+def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
+    """Run the backward of a replayed ``loss`` with a hook on every node; the first node whose
+    incoming gradients were finite and whose outgoing ones are not, with its forward stack."""
+    torch = sinks._torch
+    found: dict = {}
+    handles = []
+    nodes = _nodes(loss.grad_fn)
+
+    for node in nodes:
+        def hook(grad_inputs: tuple, grad_outputs: tuple, node: Any = node) -> None:
+            if found:
+                return
+            outgoing = [g for g in grad_inputs if g is not None]
+            incoming = [g for g in grad_outputs if g is not None]
+            bad = [kinds(g) for g in outgoing]
+            if any(bad) and not any(kinds(g) for g in incoming):
+                stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+                found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []))
+
+        handles.append(node.register_hook(hook))
+    inputs = [p for p in params if p.requires_grad]
+    try:
+        if inputs:
+            torch.autograd.grad(loss, inputs, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return found or None
+
+
+def _nodes(root: Any) -> list:
+    out, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() != "torch::autograd::AccumulateGrad":
+            out.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _parse(stack: list) -> tuple:
+    """format_stack() lines as (filename, lineno, function) tuples, innermost first."""
+    out = []
+    for entry in stack:
+        m = _TRACEBACK_LINE.search(entry)
+        if m:
+            out.append((m["file"], int(m["line"]), m["func"].strip()))
+    out.reverse()
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def anomaly_metadata() -> Iterator[None]:
+    """Every node made inside records its forward stack, as detect_anomaly does, without its checks."""
+    torch = sinks._torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True, check_nan=False):
+            yield

@@ -1,0 +1,171 @@
+"""Words for a non-finite value: kinds, tensors, names from the model that owns them, and sites.
+
+A site is two places: the op's own line (which may be inside torch or a model library, such
+as ``F.multi_head_attention_forward``), and the user's call site, the first frame outside
+site-packages and the standard library, with ampguard's and torch's plumbing trimmed.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import os
+import sysconfig
+import traceback
+from typing import Any
+
+_LIMITS = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38, "torch.float32": 3.40e38, "torch.float64": 1.8e308}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PLUMBING = tuple(os.path.join("torch", p) for p in (
+    "_ops.py", os.path.join("utils", "_python_dispatch.py"), "overrides.py", os.path.join("utils", "_contextlib.py"),
+    os.path.join("autograd", "grad_mode.py"), os.path.join("amp", "autocast_mode.py"),
+    os.path.join("_dynamo", "eval_frame.py"), os.path.join("nn", "modules", "module.py"), "_compile.py",
+    os.path.join("utils", "_pytree.py"), "_jit_internal.py"))
+_LIBRARIES: tuple[str, ...] = ()
+
+
+def kind_of(value: float) -> str | None:
+    if value != value:
+        return "nan"
+    if value == math.inf:
+        return "inf"
+    if value == -math.inf:
+        return "-inf"
+    return None
+
+
+def kind_word(kind: str | None) -> str:
+    return {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}.get(kind or "nan", "NaN")
+
+
+def kinds_words(kinds: Any) -> str:
+    return ", ".join(kind_word(k) for k in ("nan", "inf", "-inf") if k in kinds) or "finite values"
+
+
+def op_name(func: Any) -> str:
+    """A torch-level function as users write it: torch.log, Tensor.div, torch.nn.functional.linear."""
+    import torch
+
+    if isinstance(func, str):
+        return func
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__":
+        return "Tensor attribute"
+    if getattr(torch.Tensor, name, None) is func or getattr(func, "__objclass__", None) is torch._C.TensorBase:
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    if module.startswith("torch._C") or module == "torch._tensor":
+        module = "torch"
+    return f"{module}.{name}"
+
+
+def describe_tensor(tensor: Any) -> str:
+    """Shape, dtype, how many NaN/Inf, and the finite abs-max against the dtype's limit."""
+    import torch
+
+    if tensor is None:
+        return "freed before the check: no element counts"
+    with torch._C.DisableTorchFunction():
+        t = tensor.detach()
+        nan = int(torch.isnan(t).sum())
+        pos = int(torch.isposinf(t).sum())
+        neg = int(torch.isneginf(t).sum())
+        finite = t[torch.isfinite(t)]
+        text = f"shape {tuple(t.shape)}, {t.dtype}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} elements"
+        if finite.numel():
+            amax = float(finite.abs().max())
+            limit = _LIMITS.get(str(t.dtype))
+            text += f"; finite max |x| = {amax:.3g}"
+            if limit:
+                text += f" ({amax / limit:.0%} of the {str(t.dtype).replace('torch.', '')} limit {limit:.4g})"
+    return text
+
+
+# -- sites -------------------------------------------------------------------------------------
+def _libraries() -> tuple[str, ...]:
+    global _LIBRARIES
+    if not _LIBRARIES:
+        paths = sysconfig.get_paths()
+        roots = {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"], _HERE}
+        from .._frames import _internal_roots
+
+        roots.update(_internal_roots())
+        _LIBRARIES = tuple(os.path.abspath(r).rstrip(os.sep) + os.sep for r in roots)
+    return _LIBRARIES
+
+
+def is_library(filename: str) -> bool:
+    """Installed code (site-packages, the standard library, torch, Lightning, ampguard), not the user's."""
+    if filename.startswith("<"):
+        return not filename.startswith("<stdin>") and not filename.startswith("<string>")
+    path = os.path.abspath(filename)
+    return path.startswith(_libraries()) or f"{os.sep}site-packages{os.sep}" in path or \
+        f"{os.sep}dist-packages{os.sep}" in path
+
+
+def _plumbing(filename: str) -> bool:
+    return filename.startswith(_HERE) or filename.endswith(_PLUMBING) or \
+        (filename.startswith("<") and "torch" in filename)
+
+
+def normalise(frames: tuple) -> list[tuple[str, int, str]]:
+    """Frames as (filename, lineno, function), innermost first, from code objects or parsed text."""
+    out = []
+    for f in frames:
+        if isinstance(f[0], str):
+            out.append(f)
+        else:
+            code, lineno = f
+            out.append((code.co_filename, lineno, code.co_name))
+    return [f for f in out if not _plumbing(f[0])]
+
+
+def sites(frames: tuple) -> tuple[tuple | None, tuple | None, list]:
+    """(the op's own frame, the user's call site, the user's frames innermost first)."""
+    frames_ = normalise(frames)
+    own = frames_[0] if frames_ else None
+    user = [f for f in frames_ if not is_library(f[0])]
+    return own, user[0] if user else None, user
+
+
+def where(frame: tuple | None) -> str:
+    if frame is None:
+        return "(no frame)"
+    filename, lineno, function = frame
+    line = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno} in {function}" + (f"\n      {line}" if line else "")
+
+
+def stack_summary(user: list) -> traceback.StackSummary:
+    """The user's frames as a StackSummary, innermost last (as tracebacks read)."""
+    return traceback.StackSummary.from_list([
+        traceback.FrameSummary(f, n, fn, line=linecache.getline(f, n).strip()) for f, n, fn in reversed(user)])
+
+
+# -- names -------------------------------------------------------------------------------------
+def module_path(root: Any, module: Any) -> str | None:
+    """The dotted path of ``module`` in ``root``; the root itself by its class name."""
+    if module is None or root is None:
+        return None
+    if module is root:
+        return type(root).__name__
+    for name, m in root.named_modules():
+        if m is module:
+            return name
+    return type(module).__name__
+
+
+def tensor_names(roots: list) -> dict[int, str]:
+    """id(parameter or buffer) -> "parameter 'blocks.0.fc.weight'", named in the root that owns the most.
+
+    A submodule called on its own is a root too; the model that contains it gives the full path.
+    """
+    ordered = sorted({id(r): r for r in roots if r is not None}.values(),
+                     key=lambda r: sum(1 for _ in r.parameters()) + sum(1 for _ in r.buffers()))
+    names: dict[int, str] = {}
+    for root in ordered:  # largest last: its names win
+        for name, p in root.named_parameters(remove_duplicate=False):
+            names[id(p)] = f"parameter '{name}'"
+        for name, b in root.named_buffers(remove_duplicate=False):
+            names[id(b)] = f"buffer '{name}'"
+    return names
