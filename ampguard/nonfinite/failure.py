@@ -85,6 +85,9 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
         return _plain(p, ["  No origin is known (tracing is off: trace='off'); run with trace='replay' (the "
                           "default) to find the op that created it."])
     original = _sink_tensor(p)
+    reason = replay.unsafe(p.call) if p.call is not None else None
+    if reason is not None:
+        return _plain(p, [f"  No origin is known: the call was not replayed, because {reason}."])
     if p.call is None and not _produced_in(window, original):
         return _plain(p, ["  No origin is known: the loss was not computed from a module call ampguard saw (it "
                           "checks the outermost module calls and the loss code that follows them)."])
@@ -169,7 +172,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
             lines.append(f"  input: {report.describe_tensor(tensor)}")
         op = module = None
     else:
-        lines.append(f"  It was created by {label} (inputs finite, output {origin_kinds}){in_module} at\n"
+        finite = "inputs finite but for a mask" if result["masks"] and result["path"][0] == result["origin"] else \
+            "inputs finite"
+        lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
                      f"    {report.where(own)}")
         if user_site is not None and user_site != own:
             lines.append(f"  called from your code at\n    {report.where(user_site)}")
@@ -183,9 +188,10 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
     masks = result["masks"]
     if masks:
-        mask_names = sorted({_leaf_name(session, names, m[0]()) for m in masks})
-        lines.append(f"  Inputs that hold only -Inf, as attention masks do, were not counted as a cause: "
-                     f"{', '.join(mask_names)}.")
+        mask_names = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else
+                             f"the output of {_label(records[m[1]])[0]}" for m in masks})
+        lines.append("  Inputs that hold only -Inf and depend on no parameter, as attention masks do, were not "
+                     f"counted as a cause: {', '.join(mask_names)}.")
     chain = [_label(records[i])[0] for i in result["path"]]
     shown = chain if len(chain) <= 8 else [*chain[:3], f"... {len(chain) - 6} ops ...", *chain[-3:]]
     lines.append(f"  path to the sink: {' -> '.join(shown)}")

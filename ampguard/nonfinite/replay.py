@@ -33,17 +33,19 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "ref", "root", "shape")
+    __slots__ = ("constant", "dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "ref", "root",
+                 "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
-                 kinds: frozenset, ref: Any, shape: Any, dtype: Any) -> None:
+                 kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool) -> None:
+        self.constant = constant  # depends on no parameter: data, buffers, masks and what is made of them
         self.root = root  # the replayed module the op ran in, for dotted names
         self.name = name  # the aten op, e.g. "aten.bmm"
         self.fn = fn  # the top-level torch function being replayed when the op ran, if any
         self.frames = frames
         self.module = module
         self.inputs = inputs  # indices of the records that produced its tensor inputs
-        self.leaves = leaves  # (weakref, kinds) of non-finite tensor inputs no replayed op produced
+        self.leaves = leaves  # (weakref, kinds, constant) of non-finite tensor inputs no replayed op produced
         self.kinds = kinds  # subset of {"nan", "inf", "-inf"} present in the output
         self.ref = ref
         self.shape = shape
@@ -63,6 +65,7 @@ class Session:
         self.mapping: dict[int, Any] = {}  # id(original tensor) -> its replayed counterpart
         self.keep: list = []  # originals whose ids are keys of mapping, kept alive while it is used
         self.unreplayed: dict[int, str] = {}  # id(original output) -> why its call was not re-run
+        self.outputs: dict[tuple[int, Any], Any] = {}  # (id(Call), key) -> replayed output, for freed originals
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
@@ -87,15 +90,19 @@ class Session:
         if not outputs:
             return
         inputs, leaves = [], []
+        constant = True
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                 index = self.producer_of(t)
                 if index is not None:
                     inputs.append(index)
-                elif t.numel():
-                    found = self.kinds_of_leaf(t)
+                    constant = constant and self.records[index].constant
+                else:
+                    leaf_constant = not (isinstance(t, torch.nn.Parameter) or t.requires_grad)
+                    constant = constant and leaf_constant
+                    found = self.kinds_of_leaf(t) if t.numel() else frozenset()
                     if found:
-                        leaves.append((weakref.ref(t), found))
+                        leaves.append((weakref.ref(t), found, leaf_constant))
         if self.frames is not None:
             frames = self.frames
         else:
@@ -109,7 +116,7 @@ class Session:
             if found and len(self.alive) < 4096:
                 self.alive.append(o)
             self.records.append(OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
-                                         weakref.ref(o), tuple(o.shape), o.dtype))
+                                         weakref.ref(o), tuple(o.shape), o.dtype, constant))
             self.producer[id(o)] = (weakref.ref(o), index)
 
 
@@ -298,6 +305,8 @@ def run_window(session: Session, window: list) -> None:
                 T.replay_stack = []
                 session.site = None
             _map_outputs(session, event.outputs, out)
+            for t, k in sinks.floating(out):
+                session.outputs[(id(event), k)] = t
         else:
             op: TapeOp = event
             args = _map(session, op.args, True, "an input of the loss code")
@@ -321,12 +330,7 @@ def _map_outputs(session: Session, outputs: list, out: Any) -> None:
 
 
 def replayed_output(session: Session, call: Call, key: Any) -> Any:
-    for ref, k in call.outputs:
-        if k == key:
-            original = ref()
-            if original is not None:
-                return session.mapping.get(id(original))
-    return None
+    return session.outputs.get((id(call), key))
 
 
 # -- walking back ------------------------------------------------------------------------------
@@ -340,9 +344,11 @@ def primary(found: frozenset) -> str | None:
 def walk(session: Session, start: int) -> dict:
     """From the record at ``start`` back along non-finite inputs to the op that created the value.
 
-    An input that holds only -inf and that no replayed op produced (an attention mask, say) is
-    not followed from a NaN or +Inf: masks hold -inf on purpose. Produced inputs are preferred to
-    inputs that entered from outside, and the input of the same kind to one of another.
+    From a NaN or +Inf, an input that holds only -Inf and depends on no parameter (an attention
+    mask, however it was reshaped or cast) is not followed: masks hold -inf on purpose, and
+    ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed.
+    Produced inputs are preferred to inputs that entered from outside, and the input of the same
+    kind to one of another.
     """
     records = session.records
     path = [start]
@@ -351,17 +357,20 @@ def walk(session: Session, start: int) -> dict:
     masks: list = []
     entered = None
     seen = {start}
+    only_minus = frozenset({"-inf"})
     while True:
         rec = records[current]
         here = primary(rec.kinds)
         produced = [i for i in rec.inputs if i not in seen and records[i].kinds]
         leaves = list(rec.leaves)
         if here in ("nan", "inf"):
-            masks.extend(leaf for leaf in leaves if leaf[1] == frozenset({"-inf"}))
-            leaves = [leaf for leaf in leaves if leaf[1] != frozenset({"-inf"})]
+            masks.extend(("record", i) for i in produced if records[i].kinds == only_minus and records[i].constant)
+            produced = [i for i in produced if not (records[i].kinds == only_minus and records[i].constant)]
+            masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
+            leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
         if produced:
             nxt = _best(produced, here, lambda i: records[i].kinds)
-            if primary(records[nxt].kinds) != here and here not in records[nxt].kinds:
+            if here not in records[nxt].kinds:
                 transition = current
             seen.add(nxt)
             path.append(nxt)

@@ -557,6 +557,15 @@ def check() -> None:
         _clear_window()
 
 
+def forget_calls() -> None:
+    """The module calls open in this thread, as the hooks go off (their closing will not be seen)."""
+    T.depth = T.wrapping = 0
+    T.root_depth = -1
+    T.entry = None
+    T.eager = False
+    T.eager_stack = []
+
+
 def drop(g: Any = None) -> None:
     """Forget the pending checks (of ``g``, or all) and the window: an exception is on its way."""
     T.pending = [p for p in T.pending if g is not None and p.guard is not g]

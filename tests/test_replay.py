@@ -1,0 +1,413 @@
+"""Origins found by replay, on the shapes real training code has (issue 10's ten cases and the replay's rules)."""
+
+import gc
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import ampguard
+from ampguard import nonfinite
+
+
+def line_of(func, marker):
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+# 1. attention masks --------------------------------------------------------------------------
+class CausalBlock(torch.nn.Module):
+    def __init__(self, finite_mask):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(16, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(6)
+        if finite_mask:
+            mask = mask.masked_fill(mask.isinf(), torch.finfo(torch.float32).min)
+        self.register_buffer("causal_mask", mask)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        a, _ = self.attn(h, h, h, attn_mask=self.causal_mask)  # ATTN LINE
+        return self.head(a)
+
+
+@pytest.mark.parametrize("finite_mask", [False, True], ids=["-inf mask", "finfo.min mask"])
+def test_attention_logits_overflowing_in_fp16_are_named_not_the_mask(finite_mask):
+    ampguard.install()
+    model = CausalBlock(finite_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(2, 6, 16) * 300)
+        torch.nn.functional.cross_entropy(out.float().flatten(0, 1), torch.zeros(12, dtype=torch.long)).backward()
+        opt.step()
+    err = info.value
+    assert err.op == "aten.baddbmm" and err.module == "attn"
+    message = str(err)
+    assert "created by aten.baddbmm inside torch.nn.functional.multi_head_attention_forward" in message
+    assert "It became NaN in aten._softmax" in message
+    assert "entered already non-finite" not in message and "buffer 'causal_mask'" not in message
+    assert err.origin[-1].lineno == line_of(CausalBlock.forward, "ATTN LINE")
+
+
+def test_a_healthy_masked_attention_trains_without_error():
+    g = ampguard.install()
+    model = CausalBlock(finite_mask=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(2, 6, 16))
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert g.stats.nonfinite_detected == 0
+
+
+# 2. teacher under no_grad ----------------------------------------------------------------------
+class Student(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.log(self.out(self.body(x)))  # STUDENT LOG
+
+
+@pytest.mark.parametrize("teacher_first", [True, False])
+def test_distillation_blames_the_student_whatever_the_teacher_did(teacher_first):
+    ampguard.install()
+    student = Student()
+    torch.manual_seed(2)
+    teacher = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        if teacher_first:
+            with torch.no_grad():
+                soft = teacher(x).softmax(-1)
+            log_p = student(x)
+        else:
+            log_p = student(x)
+            with torch.no_grad():
+                soft = teacher(x).softmax(-1)
+        torch.nn.functional.kl_div(log_p, soft, reduction="batchmean").backward()
+        opt.step()
+    err = info.value
+    assert err.op == "torch.log" and err.module == "Student" and err.sink == "output of module 'Student'"
+    assert err.origin[-1].lineno == line_of(Student.forward, "STUDENT LOG")
+
+
+# 3. a loss written as a module ------------------------------------------------------------------
+class Deep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_criterion_module_does_not_become_the_naming_root():
+    ampguard.install()
+    model = Deep()
+    criterion = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.blocks[1][0].weight.mul_(1e4)  # the fp16 matmul of block 1 overflows
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(torch.randn(4, 8) * 100)
+        criterion(logits.float(), torch.tensor([0, 1, 2, 3])).backward()
+        opt.step()
+    err = info.value
+    assert err.module in ("blocks.1.0", "blocks.2.0", "head"), str(err)  # a dotted path in the model
+    assert err.module.startswith("blocks.1.0"), str(err)
+    assert "parameter" not in str(err) or "#" not in str(err)
+
+
+def test_parameter_names_come_from_the_model_even_when_a_criterion_ran_last():
+    ampguard.install(lint=False)
+    model = Deep().half()
+    criterion = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    criterion(model(torch.randn(4, 8).half()).float(), torch.tensor([0, 1, 2, 3])).backward()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # 0 / (0 + eps rounded to 0) = NaN
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        nonfinite.check()
+    assert info.value.sink == "parameter 'blocks.0.0.weight'"
+
+
+# 4. gradient checkpointing ------------------------------------------------------------------------
+class Checkpointed(torch.nn.Module):
+    def __init__(self, bad_backward=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.bad_backward = bad_backward
+
+    def block(self, i, x):
+        h = self.blocks[i](x)
+        if i == 1 and self.bad_backward:
+            h = h + torch.sqrt(h * 0)  # SQRT AT ZERO
+        return torch.tanh(h)
+
+    def forward(self, x):
+        for i in range(3):
+            x = torch.utils.checkpoint.checkpoint(self.block, i, x, use_reentrant=False)
+        return x
+
+
+def test_checkpoint_re_runs_do_not_become_roots_and_names_stay_dotted():
+    ampguard.install()
+    model = Checkpointed(bad_backward=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    err = info.value
+    assert err.sink == "gradient of parameter 'blocks.0.weight'"
+    assert "The backward of torch.sqrt (SqrtBackward0) turned finite gradients into" in str(err)
+    assert err.op == "torch.sqrt"
+    assert err.origin[-1].lineno == line_of(Checkpointed.block, "SQRT AT ZERO")
+
+
+# 5. evaluation with grad enabled and no step ------------------------------------------------------
+def test_eval_with_grad_and_no_step_keeps_memory_flat_over_300_forwards():
+    ampguard.install()
+    model = Deep().eval()
+    counts = []
+    for i in range(300):
+        model(torch.randn(4, 8)).softmax(-1).argmax(-1)
+        assert len(nonfinite.T.window) <= 3 and len(nonfinite.T.pending) <= 1
+        if i in (99, 299):
+            gc.collect()
+            counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+    assert counts[1] <= counts[0] + 2
+
+
+# 6. a NaN made only in backward ----------------------------------------------------------------------
+class SqrtAtZero(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.sqrt(h * 0)  # BACKWARD NAN
+
+
+def test_a_nan_made_only_in_backward_names_the_forward_op_and_line():
+    ampguard.install()
+    model = SqrtAtZero()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    err = info.value
+    assert err.sink == "gradient of parameter 'fc.weight'" and err.op == "torch.sqrt"
+    assert "The backward of torch.sqrt (SqrtBackward0) turned finite gradients into +Inf" in str(err)
+    assert err.origin[-1].filename == __file__
+    assert err.origin[-1].lineno == line_of(SqrtAtZero.forward, "BACKWARD NAN")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is not None for p in model.parameters())  # the replay left .grad as it was
+
+
+# 7. finite values never look non-finite -------------------------------------------------------------
+@pytest.mark.parametrize("dtype,value", [(torch.float16, 1024.0), (torch.float16, 60000.0), (torch.float32, 1e20),
+                                         (torch.float32, 3e38)])
+def test_large_finite_gradients_and_parameters_are_not_errors(dtype, value):
+    g = ampguard.install()
+    model = torch.nn.Linear(300, 300).to(dtype)
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(value)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+        opt.step()
+    nonfinite.check()
+    assert g.stats.nonfinite_detected == 0
+
+
+# 8. checks nobody consumed, and checks an exception made stale --------------------------------------
+def test_a_backward_that_raised_under_detect_anomaly_leaves_no_check_behind():
+    g = ampguard.install()
+    model = SqrtAtZero()
+    with pytest.raises(RuntimeError, match="returned nan values"), torch.autograd.detect_anomaly(check_nan=True):
+        model(torch.randn(3, 4)).sum().backward()
+    assert nonfinite.T.pending == [] and nonfinite.T.window == []
+    healthy = Deep()
+    opt = torch.optim.SGD(healthy.parameters(), lr=0.1)
+    for _ in range(2):
+        healthy(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert g.stats.nonfinite_detected == 0
+
+
+def test_forward_and_backward_without_a_step_report_at_the_next_forward():
+    ampguard.install()
+    model = Student()
+    model(torch.randn(2, 8)).sum().backward()  # NaN: log of negative values; no step
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 8))
+    assert info.value.op == "torch.log"
+
+
+def test_a_check_nobody_consumed_is_read_at_guard_exit():
+    with pytest.raises(ampguard.NonFiniteError) as info, ampguard.guard():
+        Student()(torch.randn(2, 8))
+    assert info.value.op == "torch.log"
+
+
+def test_a_check_belongs_to_its_guard():
+    outer = ampguard.install()
+    model = Student()
+    model(torch.randn(2, 8))  # NaN, pending in the outer guard
+    with ampguard.guard(nonfinite="off"):
+        model(torch.randn(2, 8))
+    assert outer.stats.nonfinite_detected == 0  # the inner guard neither read nor raised it
+    with pytest.raises(ampguard.NonFiniteError):
+        ampguard.uninstall()
+
+
+# 9. compiled modules --------------------------------------------------------------------------------
+class SqrtNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sqrt(self.fc(x) - 10.0)  # COMPILED SQRT
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_nan_inside_a_compiled_module_names_the_op_inside_it(backend):
+    ampguard.install()
+    torch._dynamo.reset()
+    model = SqrtNet()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        compiled(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    err = info.value
+    assert err.op == "torch.sqrt" and err.module == "SqrtNet"
+    assert err.origin[-1].lineno == line_of(SqrtNet.forward, "COMPILED SQRT")
+
+
+# 10. the eager message ----------------------------------------------------------------------------------
+def test_the_eager_message_reads_well():
+    ampguard.install(trace="eager")
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        SqrtNet()(torch.randn(2, 8))
+    message = str(info.value)
+    assert message.startswith("ampguard: torch.sqrt created NaN from inputs without NaN in module 'SqrtNet' at")
+    assert "the the" not in message
+
+
+# the replay's own rules ------------------------------------------------------------------------------------
+class NanOnFirstCall(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.fc(x)
+        return h * float("nan") if self.calls == 1 else h
+
+
+def test_a_value_that_does_not_reproduce_is_reported_as_such():
+    ampguard.install()
+    model = NanOnFirstCall()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    message = str(info.value)
+    assert "stayed finite: the value did not reproduce" in message
+    assert info.value.op is None
+
+
+class DropoutBatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.log(self.drop(self.bn(self.fc(x))))  # NaN where negative
+
+
+def _run_dropout_bn(guarded):
+    torch.manual_seed(123)
+    model = DropoutBatchNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = ampguard.guard(nonfinite="warn") if guarded else torch.autograd.set_grad_enabled(True)
+        with ctx:
+            for _ in range(2):
+                model(torch.randn(16, 8)).nan_to_num().sum().backward()
+                opt.step()
+                opt.zero_grad()
+    ours = [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    return model.bn.running_mean.clone(), model.bn.num_batches_tracked.clone(), torch.rand(3), ours
+
+
+def test_a_replay_leaves_rng_and_running_stats_as_they_would_have_been():
+    plain_mean, plain_count, plain_rng, _ = _run_dropout_bn(guarded=False)
+    mean, count, rng, warned = _run_dropout_bn(guarded=True)
+    # the origin is replayed and warned once over both steps; the parameters then turned NaN (lr * NaN)
+    assert sum("created by torch.log" in str(w.message) for w in warned) == 1
+    assert torch.equal(mean, plain_mean) and torch.equal(count, plain_count) and torch.equal(rng, plain_rng)
+
+
+def test_a_module_that_opts_out_is_not_replayed():
+    ampguard.install()
+    model = Student()
+    model.ampguard_replay = False
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 8)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert "opts out (ampguard_replay = False)" in str(info.value) and info.value.op is None
+
+
+def test_lightning_style_closure_is_checked_before_the_update():
+    ampguard.install()
+    model = Student()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(2, 8)).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step(closure)
+    assert info.value.op == "torch.log"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
