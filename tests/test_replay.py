@@ -364,15 +364,13 @@ class DropoutBatchNorm(torch.nn.Module):
 def _run_dropout_bn(guarded):
     torch.manual_seed(123)
     model = DropoutBatchNorm()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ctx = ampguard.guard(nonfinite="warn") if guarded else torch.autograd.set_grad_enabled(True)
         with ctx:
-            for _ in range(2):
+            for _ in range(3):  # no step: each check is read at the next forward, the last at guard exit
                 model(torch.randn(16, 8)).nan_to_num().sum().backward()
-                opt.step()
-                opt.zero_grad()
+                model.zero_grad()
     ours = [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
     return model.bn.running_mean.clone(), model.bn.num_batches_tracked.clone(), torch.rand(3), ours
 
@@ -380,8 +378,7 @@ def _run_dropout_bn(guarded):
 def test_a_replay_leaves_rng_and_running_stats_as_they_would_have_been():
     plain_mean, plain_count, plain_rng, _ = _run_dropout_bn(guarded=False)
     mean, count, rng, warned = _run_dropout_bn(guarded=True)
-    # the origin is replayed and warned once over both steps; the parameters then turned NaN (lr * NaN)
-    assert sum("created by torch.log" in str(w.message) for w in warned) == 1
+    assert len(warned) == 1 and "created by torch.log" in str(warned[0].message)  # replayed once per site
     assert torch.equal(mean, plain_mean) and torch.equal(count, plain_count) and torch.equal(rng, plain_rng)
 
 
