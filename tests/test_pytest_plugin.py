@@ -105,7 +105,7 @@ def test_bad_marker():
     result = pytester.runpytest("--ampguard-trace=off", "--strict-markers")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ConfigError: ampguard: option 'trace' got 'sideways'; accepted values: "
-                                 "'deferred', 'eager' or 'off'*"])
+                                 "'replay', 'eager' or 'off' ('deferred' is accepted as 'replay')*"])
 
 
 def test_non_finite_error_fails_the_test_with_the_story_and_the_report(pytester):
@@ -123,11 +123,11 @@ def test_next_one_is_clean():
     import ampguard
     assert ampguard.active().stats.nonfinite_detected == 0
 """)
-    result = pytester.runpytest("--ampguard")
+    result = pytester.runpytest_subprocess("--ampguard")  # its own process, as a real run (the replay imports torch code)
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines([
-        "*NonFiniteError: ampguard: NAN reached the loss.*",
-        "*It was created by torch.log (output nan, all inputs finite) at*",
+        "*NonFiniteError: ampguard: NaN reached the loss.*",
+        "*It was created by torch.log (inputs finite, output NaN) at*",
         "*test_non_finite_error_fails_the_test_with_the_story_and_the_report.py:6 in test_nan*",
         "*- ampguard -*",
         "*non-finite values detected: 1*",
@@ -135,7 +135,7 @@ def test_next_one_is_clean():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--ampguard-trace=sideways"], "--ampguard-trace got 'sideways'; accepted values: 'deferred', 'eager' or 'off'"),
+    (["--ampguard-trace=sideways"], "--ampguard-trace got 'sideways'; accepted values: 'replay', 'eager' or 'off' ('deferred' is accepted as 'replay')"),
     (["--ampguard-max-consecutive-skips=-3"], "--ampguard-max-consecutive-skips got '-3'; accepted values: a positive"),
 ])
 def test_bad_option_values_are_usage_errors_naming_the_flag(pytester, args, message):

@@ -19,10 +19,12 @@ import warnings
 from typing import Any
 
 from .._patching import REGISTRY, Switch, Target
-from . import sinks
+from . import failure, report, sinks
 from .sinks import FEATURE, T, check
 
-__all__ = ["FEATURE", "T", "check"]
+sinks._failure = failure  # the failure path is loaded with the package, never imported lazily mid-run
+
+__all__ = ["FEATURE", "T", "check", "report"]
 
 # torch warns at every call of a compiled module while a global module hook exists that the hooks
 # fire for the OptimizedModule: that call is the one ampguard records, so the warning is about us.
@@ -54,6 +56,8 @@ def _switch_hooks() -> Any:
     def off() -> None:
         for h in handles:
             h.remove()
+        # torch's handle forgets the with_kwargs mark of a global forward hook: one entry per install
+        getattr(nn_module, "_global_forward_hooks_with_kwargs", {}).pop(handles[1].id, None)
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
         with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already

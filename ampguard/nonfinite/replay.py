@@ -208,8 +208,10 @@ def untouched(window: list) -> Iterator[None]:
     cuda = None
     if torch.cuda.is_initialized():
         cuda = [g.get_state() for g in torch.cuda.default_generators]
-    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else \
-        contextlib.nullcontext()
+    # Compiled code runs eagerly, so its ops are seen. Without dynamo loaded nothing is compiled, and
+    # importing it here would cost seconds on the failure path.
+    stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules and \
+        hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
     T.replaying += 1
     outer_stack, T.replay_stack = T.replay_stack, []
     try:

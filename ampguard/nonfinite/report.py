@@ -147,11 +147,13 @@ def module_path(root: Any, module: Any) -> str | None:
     """The dotted path of ``module`` in ``root``; the root itself by its class name."""
     if module is None or root is None:
         return None
+    root = getattr(root, "_orig_mod", root)
+    module = getattr(module, "_orig_mod", module)
     if module is root:
         return type(root).__name__
     for name, m in root.named_modules():
         if m is module:
-            return name
+            return name.replace("._orig_mod", "")  # a compiled submodule reads as the attribute it is
     return type(module).__name__
 
 

@@ -37,6 +37,7 @@ FEATURE = "nonfinite"
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
 
 _torch: Any = None  # bound when the hooks switch on; every path below runs after that
+_failure: Any = None  # the failure path (ampguard.nonfinite.failure), bound by the package: no lazy import
 _is_compiling: Any = None
 _graph_task_id: Any = None
 _any_autocast: Any = None
@@ -344,9 +345,7 @@ def _record(func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> Non
     T.window.append(TapeOp(func, args, kwargs, [(weakref.ref(o), k) for o, k in outs], tuple(frames),
                            _autocast_state(), _torch.is_grad_enabled()))
     if T.eager:
-        from .failure import check_eager
-
-        check_eager(T.window[-1], outs)
+        _failure.check_eager(T.window[-1], outs)
 
 
 def start_tape(g: _guard.Guard) -> None:
@@ -518,8 +517,7 @@ def _collect() -> list:
 def _consume(values: list[float]) -> None:
     """Judge the pending sinks in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    from .report import kind_of
-
+    kind_of = _failure.report.kind_of
     g = _guard.current(FEATURE)
     pending, T.pending = T.pending[:len(values)], T.pending[len(values):]
     failed = None
@@ -532,9 +530,7 @@ def _consume(values: list[float]) -> None:
         if not any(p.forward for p in T.pending):
             _clear_window()
         return
-    from .failure import fail
-
-    fail(g, failed)
+    _failure.fail(g, failed)
 
 
 def _clear_window() -> None:

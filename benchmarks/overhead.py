@@ -1,0 +1,269 @@
+"""ampguard's cost on the workloads users run, side by side in one process.
+
+Each workload runs its configurations interleaved (rep 1 of every configuration, then rep 2,
+...) and prints the median time per step and its ratio to plain PyTorch. It also times one
+replay (the failure path) on the GPT-2-style model.
+
+    python benchmarks/overhead.py                      # every workload, CPU (or CUDA if present)
+    python benchmarks/overhead.py --only tiny,lightning --reps 9
+    python benchmarks/overhead.py --quick              # seconds: a smoke run for the tests
+    python benchmarks/overhead.py --only gpt2-small    # GPU: GPT-2-small size, fp16 autocast + GradScaler
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+import warnings
+
+import torch
+
+import ampguard
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+CONFIGS = {
+    "plain": contextlib.nullcontext,
+    "nonfinite='off'": lambda: ampguard.guard(nonfinite="off"),
+    "trace='off' (sinks only)": lambda: ampguard.guard(trace="off"),
+    "install() (default)": ampguard.guard,
+    "detect_anomaly(check_nan=True)": lambda: torch.autograd.detect_anomaly(check_nan=True),
+}
+
+
+# -- workloads: each returns step() ------------------------------------------------------------
+def tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler(DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=DEVICE == "cuda"):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+
+    return step
+
+
+def encoder(batch=8, seq=64):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(128, 4, dim_feedforward=256, batch_first=True, dropout=0.0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                torch.nn.Linear(128, 1)).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, seq, 128, device=DEVICE)
+    y = torch.randn(batch, seq, 1, device=DEVICE)
+
+    def step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.ln2 = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.attn(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    """GPT-2 style: token and position embeddings, pre-LN blocks, tied head."""
+
+    def __init__(self, layers, d, heads, vocab=8192, seq=128):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def gpt(layers=4, d=256, heads=4, batch=8, seq=128, vocab=8192, amp=False):
+    torch.manual_seed(0)
+    model = GPT(layers, d, heads, vocab, seq).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    scaler = torch.amp.GradScaler(DEVICE, enabled=amp)
+    idx = torch.randint(0, vocab, (batch, seq), device=DEVICE)
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+            logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    step.model = model
+    step.idx = idx
+    return step
+
+
+def lightning_fit():
+    """Trainer.fit of one Linear, batch 2: the time per step between Lightning's batch hooks."""
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
+
+    class Clock(pl.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_start(self, *args):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            self.times.append(time.perf_counter() - self.start)
+
+    def fit(steps):
+        clock = Clock()
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
+        return statistics.median(clock.times[5:])
+
+    return fit
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def measure(step, configs, reps, steps):
+    times = {name: [] for name in configs}
+    for _ in range(3):
+        step()
+    for _ in range(reps):
+        for name in configs:
+            with CONFIGS[name]():
+                step()  # warm this configuration
+                _sync()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                _sync()
+                times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def measure_fit(fit, configs, reps, steps):
+    times = {name: [] for name in configs}
+    for _ in range(reps):
+        for name in configs:
+            with CONFIGS[name]():
+                times[name].append(fit(steps))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def show(title, medians):
+    print(f"\n{title}")
+    plain = medians["plain"]
+    for name, value in medians.items():
+        print(f"  {name:34s} {value * 1e3:9.3f} ms/step {value / plain:7.2f}x")
+
+
+def replay_time(step, reps=3):
+    """Seconds from a NaN at the GPT-2-style model's output to the NonFiniteError: one replay."""
+    model = step.model
+    target = min(1, len(model.blocks) - 1)
+    out = []
+    for _ in range(reps):
+        with ampguard.guard(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = model.blocks[target].mlp[1].register_forward_hook(lambda m, a, o: o * math.nan)
+            try:
+                logits = model(step.idx[:, :-1])
+                _sync()
+                start = time.perf_counter()
+                try:
+                    ampguard.nonfinite.check()
+                except ampguard.NonFiniteError as err:
+                    assert err.module == f"blocks.{target}.mlp.1", err
+                _sync()
+                out.append(time.perf_counter() - start)
+                del logits
+            finally:
+                handle.remove()
+    return statistics.median(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--only", default="tiny,lightning,encoder,gpt2")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    reps = 1 if args.quick else args.reps
+    q = args.quick
+    torch.set_num_threads(1 if DEVICE == "cpu" and "tiny" in only and len(only) == 1 else torch.get_num_threads())
+    print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {DEVICE}, {reps} interleaved reps")
+    every = list(CONFIGS)
+    if "tiny" in only:
+        show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)",
+             measure(tiny(), every[:4], reps, 20 if q else 200))
+    if "lightning" in only:
+        show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)",
+             measure_fit(lightning_fit(), ["plain", "nonfinite='off'", "install() (default)"], reps,
+                         12 if q else 120))
+    if "encoder" in only:
+        show("nn.TransformerEncoder 2 x d128, batch 8 x 64",
+             measure(encoder(2, 16) if q else encoder(), every, reps, 2 if q else 10))
+    if "gpt2" in only:
+        step = gpt(layers=1, d=64, seq=32, vocab=256) if q else gpt()
+        show("GPT-2 style, 4 layers, d=256, seq 128, batch 8", measure(step, every, reps, 1 if q else 3))
+        print(f"  one replay on failure (NaN in blocks.1.mlp): {replay_time(step) * 1e3:.0f} ms")
+    if "gpt2-small" in only:
+        step = gpt(layers=12, d=768, heads=12, batch=8, seq=1024, vocab=50304, amp=True)
+        show("GPT-2 small (12 x 768, seq 1024, batch 8), fp16 autocast + GradScaler",
+             measure(step, ["plain", "install() (default)"], reps, 10))
+        print(f"  one replay on failure (NaN in blocks.1.mlp): {replay_time(step) * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
