@@ -42,17 +42,20 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
             internal_failure(feature, exc)
             continue
         if tensors:
-            shares.append((feature, consume, offset, len(tensors)))
-            offset += len(tensors)  # participants' statuses are single values
+            n = sum(t.numel() for t in tensors)
+            shares.append((feature, consume, offset, n))
+            offset += n
             parts.extend(tensors)
     if not parts:
         return [], _nothing
     if device is None:
         device = parts[0].device
-    # float64: a status is a largest magnitude in its own dtype, and a finite float64 may exceed float32
-    wide = torch.float32 if device.type == "mps" else torch.float64
-    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1).to(wide) for t in parts]
-    values = torch.cat(flat).tolist()
+    # A status is a largest magnitude in its own dtype: a finite float64 may exceed float32, so float64
+    # parts make the read float64 (never on MPS, which has none); otherwise nothing is converted.
+    wide = torch.float64 if device.type != "mps" and any(t.dtype == torch.float64 for t in parts) else \
+        torch.float32
+    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1) for t in parts]
+    values = torch.cat([t if t.dtype == wide else t.to(wide) for t in flat]).tolist()
 
     def settle() -> None:
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's

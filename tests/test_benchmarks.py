@@ -9,7 +9,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.mark.parametrize(("script", "args", "last_row"), [
     ("core_overhead.py", ["--reps", "1", "--steps", "3"], "installed:"),
-    ("nonfinite_overhead.py", ["--reps", "1", "--steps", "1"], "detect_anomaly(check_nan=True)"),
+    ("overhead.py", ["--quick"], "one replay on failure"),
     ("distributed_overhead.py", ["--reps", "1", "--steps", "2", "--width", "8"], "all_reduce of the 2x1 table"),
 ])
 def test_benchmark_runs_and_prints_its_table(python, script, args, last_row):

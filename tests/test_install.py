@@ -148,7 +148,8 @@ def test_import_ampguard_and_install_import_neither_torch_nor_lightning(python):
 
 @pytest.mark.parametrize(("options", "fragment"), [
     ({"bogus": 1}, "unknown option 'bogus'; accepted options: closures, devices, distributed, lint"),
-    ({"trace": "lazy"}, "option 'trace' got 'lazy'; accepted values: 'replay', 'eager' or 'off' ('deferred' is accepted as 'replay')"),
+    ({"trace": "lazy"}, "option 'trace' got 'lazy'; accepted values: 'replay', 'eager' or 'off' "
+                          "('deferred' is accepted as 'replay')"),
     ({"nonfinite": True}, "option 'nonfinite' got True; accepted values: 'raise', 'warn' or 'off'"),
     ({"devices": ("cuda:0",)}, "option 'devices' got ('cuda:0',); accepted values: None (every device)"),
     ({"schedulers": "yes"}, "option 'schedulers' got 'yes'; accepted values: True or False"),

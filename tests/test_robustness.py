@@ -50,7 +50,7 @@ FAULTS = [
     ("ampguard.schedulers._remember_step", {"schedulers"}),
     ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
-    ("ampguard.nonfinite.sinks.status_of_many", {"nonfinite"}),
+    ("ampguard.nonfinite.sinks._statuses", {"nonfinite"}),
     ("ampguard.nonfinite.sinks._consume", {"nonfinite"}),
     ("ampguard.lints._check_clip", {"lint"}),
     ("ampguard.lints._state", {"lint"}),

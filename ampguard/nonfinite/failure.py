@@ -12,7 +12,7 @@ from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._frames import warn_at_user
 from ..lints import eps_message
 from . import replay, report, sinks
-from .sinks import T, Call, Pending
+from .sinks import Call, Pending, T
 
 log = logging.getLogger("ampguard")
 
@@ -109,7 +109,6 @@ def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:
 
 
 def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list, target: Any) -> NonFiniteError:
-    original = _sink_tensor(p)
     if target is None:
         reason = next(iter(session.unreplayed.values()), None)
         why = f"it was not replayed: {reason}" if reason else "it was not made by a replayed call"

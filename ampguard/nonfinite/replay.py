@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import sinks
-from .sinks import T, Call, TapeOp
+from .sinks import Call, T, TapeOp
 
 FRAMES = 40  # user frames kept per replayed op
 

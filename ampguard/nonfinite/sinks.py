@@ -24,6 +24,7 @@ raised is dropped: the user's exception wins. A check belongs to its guard.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -31,6 +32,7 @@ from typing import Any
 
 from .. import _guard, _sync
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
+from .._frames import user_frames
 from .._guard import DEPTH, fail_safe, internal_failure
 
 FEATURE = "nonfinite"
@@ -81,15 +83,17 @@ class TapeOp:
 class Pending:
     """A sink status waiting for the next shared read."""
 
-    __slots__ = ("call", "guard", "key", "nan_only", "optimizer", "params", "sink", "status", "tensor")
+    __slots__ = ("call", "guard", "key", "nan_only", "optimizer", "params", "sink", "status", "tensor", "tensors")
 
     def __init__(self, guard: Any, sink: str, nan_only: bool, status: Any, tensor: Any = None, call: Any = None,
-                 params: list | None = None, optimizer: Any = None, key: Any = None) -> None:
+                 params: list | None = None, optimizer: Any = None, key: Any = None,
+                 tensors: list | None = None) -> None:
         self.key = key  # which output of the call (a position or a dict key)
         self.guard = guard
         self.sink = sink
         self.nan_only = nan_only
-        self.status = status
+        self.status = status  # an on-device status taken now (outputs, which may be freed before the read)...
+        self.tensors = tensors  # ...or the tensors whose statuses the read takes, all in one kernel
         self.tensor = tensor  # the sink tensor: strong for the (small) loss, a weakref for outputs
         self.call = call  # the Call whose output this is
         self.params = params  # gradient and parameter sinks: the parameters checked
@@ -103,9 +107,8 @@ class Pending:
 
 class _Thread(threading.local):
     def __init__(self) -> None:
-        self.depth = 0  # module calls open in this thread (outside backward and replays)
-        self.wrapping = 0  # of those, DDP/FSDP/Lightning wrappers around the user's module
-        self.root_depth = -1  # the depth of the open outermost user call, or -1
+        self.root: Any = None  # the open outermost user module call (inside DDP/FSDP/Lightning wrappers)
+        self.root_nesting = 0  # calls of that same module inside it
         self.entry: tuple | None = None  # what the open outermost call captured on entry
         self.pending: list[Pending] = []
         self.window: list = []  # Calls and TapeOps since the last read, in order
@@ -125,16 +128,21 @@ T = _Thread()
 
 def status(tensor: Any) -> Any:
     """0-d on-device value, finite exactly when every element is; never overflows for finite values."""
-    return _torch.linalg.vector_norm(tensor.detach(), float("inf"))
+    t = tensor.detach()
+    return _torch.linalg.vector_norm(t, float("inf"), dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
 
 
-def status_of_many(tensors: list) -> Any:
-    norms = _torch._foreach_norm([t.detach() for t in tensors], float("inf"))
-    dtypes = {n.dtype for n in norms}
-    if len(dtypes) > 1:
-        wide = _torch.float64 if _torch.float64 in dtypes else _torch.float32
-        norms = [n.to(wide) for n in norms]
-    return _torch.stack(norms).amax()
+def _statuses(tensors: list, eager: list) -> Any:
+    """One 1-D tensor: the inf-norm of each of ``tensors`` (one foreach kernel), then the ``eager`` statuses."""
+    torch = _torch
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) or \
+        any(t.dtype == torch.float64 for t in eager) else torch.float32
+    norms = list(torch._foreach_norm([t.detach() for t in tensors], float("inf"), dtype=wide)) if tensors else []
+    parts = norms + [e if e.dtype == wide else e.to(wide) for e in eager]
+    device = parts[0].device
+    if any(n.device != device for n in parts):
+        parts = [n.to(device) for n in parts]
+    return torch.stack(parts)
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -214,31 +222,32 @@ def _rng_state() -> tuple:
 
 
 def _entry(frame: Any) -> tuple:
-    from .._frames import user_frames
-
     site = user_frames(frame, limit=1, budget=8)
     return (_rng_state(), _autocast_state(), _torch.is_grad_enabled(), _torch.is_inference_mode_enabled(),
             site[0] if site else None, T.steps)
 
 
 # -- module hooks ----------------------------------------------------------------------------
+# Every module call reaches these hooks; inside an outermost call they return at once.
 @fail_safe(FEATURE)
 def forward_pre(module: Any, args: Any) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    if _is_compiling():
+        return  # inside a compiled graph (dynamo folds this): the compiled module's own call is the outermost
     if T.replaying:
         T.replay_stack.append(module)
         return
-    g = _guard.current(FEATURE)
-    if g is None or _outside_normal_path():
+    root = T.root
+    if root is not None:
+        if module is root:
+            T.root_nesting += 1  # the outermost module calling itself
+        if T.eager:
+            T.eager_stack.append(module)
         return
-    what = kind(module)
-    if T.root_depth < 0 and T.depth == T.wrapping and what != "wrapper":
-        _root_enter(g, module)
-    if what == "wrapper":
-        T.wrapping += 1
-    if T.eager:
-        T.eager_stack.append(module)
-    T.depth += 1
+    g = _guard.current(FEATURE)
+    if g is None or _outside_normal_path() or kind(module) == "wrapper":
+        return  # DDP/FSDP/Lightning's wrapper: the module it calls is the outermost user call
+    _root_enter(g, module)
 
 
 def _root_enter(g: _guard.Guard, module: Any) -> None:
@@ -246,11 +255,12 @@ def _root_enter(g: _guard.Guard, module: Any) -> None:
     if T.pending and (T.backward_since_read or any(type(c) is Call and c.module is module for c in T.window)):
         check()  # the previous call's checks: no step consumed them
     end_tape()
-    T.root_depth = T.depth
+    T.root = module
+    T.root_nesting = 0
     T.entry = _entry(sys._getframe(3))
     T.eager = g.options.trace == "eager"
     if T.eager:
-        T.eager_stack = []
+        T.eager_stack = [module]
         start_tape(g)  # every op of the forward is recorded and checked as it runs
 
 
@@ -258,36 +268,39 @@ def _root_enter(g: _guard.Guard, module: Any) -> None:
 def forward_post(module: Any, args: Any, *rest: Any) -> None:
     # (kwargs, output) normally; (output,) when the forward raised: torch then calls always-call hooks
     # without kwargs, and the call only has to be unwound.
+    if _is_compiling():
+        return
     if T.replaying:
         if T.replay_stack and T.replay_stack[-1] is module:
             T.replay_stack.pop()
         return
-    g = _guard.current(FEATURE)
-    if g is None or T.depth == 0 or _outside_normal_path():
+    if module is not T.root:
+        if T.eager_stack and T.eager_stack[-1] is module:
+            T.eager_stack.pop()
         return
-    T.depth -= 1
-    if kind(module) == "wrapper":
-        T.wrapping -= 1
-    if T.eager_stack and T.eager_stack[-1] is module:
-        T.eager_stack.pop()
-    if T.depth != T.root_depth:
+    if T.root_nesting:
+        T.root_nesting -= 1
         return
-    T.root_depth = -1
+    T.root = None
+    T.eager_stack = []
     entry, T.entry = T.entry, None
-    if entry is None or len(rest) != 2:
+    g = _guard.current(FEATURE)
+    if g is None or entry is None or len(rest) != 2:
         return
     kwargs, output = rest
     outputs = [(o, k) for o, k in floating(output) if watched(g, o)]
     call = Call(module, args, kwargs or {}, entry, [(weakref.ref(o), k) for o, k in outputs])
     if len(T.window) < MAX_WINDOW:
         T.window.append(call)
-    name = type(getattr(module, "_orig_mod", module)).__name__
+    name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
     for o, k in outputs:
+        # held until the read: its status is taken there, in one kernel with the others
         where = f"output of module '{name}'" + (f" (output {k!r})" if len(outputs) > 1 else "")
-        T.pending.append(Pending(g, where, True, status(o), weakref.ref(o), call, key=k))
+        T.pending.append(Pending(g, where, True, None, o, call, key=k, tensors=[o]))
     known = roots(g)
-    if id(module) not in known:
-        known[id(module)] = weakref.ref(module, lambda _, i=id(module): known.pop(i, None))
+    key = id(module)
+    if key not in known:
+        known[key] = weakref.ref(module, lambda _: known.pop(key, None))
     if g.options.trace != "off" and entry[2]:
         start_tape(g)  # the loss code follows: record it until backward()
     elif T.eager:
@@ -336,7 +349,7 @@ def _make_tape() -> Any:
 
 def _record(func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> None:
     frames = []
-    while frame is not None and len(frames) < 12:
+    while frame is not None and len(frames) < 6:
         frames.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
     if len(T.window) >= MAX_WINDOW:
@@ -376,7 +389,7 @@ def end_tape() -> None:
 
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
-    T.pending.append(Pending(g, "loss", False, status(loss), loss))
+    T.pending.append(Pending(g, "loss", False, None, loss, tensors=[loss]))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -440,9 +453,8 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     params = [p for p in params_of(optimizer)
               if p.grad is not None and p.grad.is_floating_point() and p.grad.numel() and watched(g, p.grad)]
     if params:
-        T.pending.append(Pending(g, f"gradients of {g.name_of(optimizer)}", False,
-                                 status_of_many([p.grad for p in params]), params=params,
-                                 optimizer=weakref.ref(optimizer)))
+        T.pending.append(Pending(g, f"gradients of {g.name_of(optimizer)}", False, None, params=params,
+                                 optimizer=weakref.ref(optimizer), tensors=[p.grad for p in params]))
 
 
 @fail_safe(FEATURE)
@@ -497,38 +509,45 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     T.steps += 1
     params = [p for p in params_of(optimizer) if p.is_floating_point() and p.numel() and watched(g, p)]
     if params:
-        T.pending.append(Pending(g, f"parameters of {g.name_of(optimizer)}", False, status_of_many(params),
-                                 params=params, optimizer=weakref.ref(optimizer)))
+        # Parameters do not move before the next read (a step's pre-hook, its closure, update(), the
+        # next forward), so their statuses are taken there, in the read's one kernel.
+        T.pending.append(Pending(g, f"parameters of {g.name_of(optimizer)}", False, None, params=params,
+                                 optimizer=weakref.ref(optimizer), tensors=params))
         if g.options.trace == "eager":
             check()
 
 
 # -- reading -----------------------------------------------------------------------------------
 def _collect() -> list:
-    """The statuses of this guard's pending sinks; another guard's are dropped, never judged here."""
+    """This guard's pending sinks as one tensor of statuses; another guard's are dropped, never judged here."""
     g = _guard.current(FEATURE)
     if g is None or not T.pending:
         return []
     if any(p.guard is not g for p in T.pending):
         T.pending = [p for p in T.pending if p.guard is g]
-    return [p.status for p in T.pending]
+    lazy = [t for p in T.pending if p.status is None for t in p.tensors]
+    eager = [p.status for p in T.pending if p.status is not None]
+    return [_statuses(lazy, eager)]
 
 
 def _consume(values: list[float]) -> None:
     """Judge the pending sinks in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    kind_of = _failure.report.kind_of
     g = _guard.current(FEATURE)
-    pending, T.pending = T.pending[:len(values)], T.pending[len(values):]
+    pending, T.pending = T.pending, []
+    lazy_at, eager_at = 0, sum(len(p.tensors) for p in pending if p.status is None)
     failed = None
-    for p, value in zip(pending, values, strict=True):
-        found = kind_of(value)
-        if found is not None and not (p.nan_only and found != "nan"):
+    for p in pending:
+        if p.status is None:
+            mine = values[lazy_at:lazy_at + len(p.tensors)]
+            lazy_at += len(mine)
+        else:
+            mine = values[eager_at:eager_at + 1]
+            eager_at += 1
+        if failed is None and any(v != v or (v == math.inf and not p.nan_only) for v in mine):
             failed = p
-            break
     if failed is None:
-        if not any(p.forward for p in T.pending):
-            _clear_window()
+        _clear_window()
         return
     _failure.fail(g, failed)
 
@@ -555,8 +574,8 @@ def check() -> None:
 
 def forget_calls() -> None:
     """The module calls open in this thread, as the hooks go off (their closing will not be seen)."""
-    T.depth = T.wrapping = 0
-    T.root_depth = -1
+    T.root = None
+    T.root_nesting = 0
     T.entry = None
     T.eager = False
     T.eager_stack = []
