@@ -84,10 +84,18 @@ class _Doctor:
         value = os.environ.get("AMPGUARD")
         try:
             on = _options.env_flag("AMPGUARD", False)
-            self.say(f"  AMPGUARD: {value!r} -> the guard is {'installed at start-up' if on else 'not installed'}"
-                     if value is not None else "  AMPGUARD: not set -> the guard is installed only by the program")
         except ConfigError as exc:
             self.problem(str(exc))
+            on = False
+        if value is None:
+            self.say("  AMPGUARD: not set -> the guard is installed only by the program")
+        elif not on:
+            self.say(f"  AMPGUARD: {value!r} -> the guard is not installed at start-up")
+        elif not found or self._bad_variables():
+            why = "the hook file is missing" if not found else "an AMPGUARD_* value is invalid (below)"
+            self.say(f"  AMPGUARD: {value!r} -> the program would run WITHOUT the guard: {why}")
+        else:
+            self.say(f"  AMPGUARD: {value!r} -> the guard is installed at start-up")
         try:
             report = _options.env_flag("AMPGUARD_REPORT", True)
             self.say(f"  exit report: {'on' if report else 'off (AMPGUARD_REPORT)'}")
@@ -96,18 +104,37 @@ class _Doctor:
 
     def options(self) -> None:
         from . import _options
-        from ._errors import ConfigError
 
         self.say("options install() would use (keyword arguments win over these)")
-        try:
-            from_env = _options.from_environ()
-            resolved = _options.resolve({})
-        except ConfigError as exc:
-            self.problem(str(exc))
-            return
-        for name, value in resolved.as_dict().items():
-            source = _options.SPECS[name].env if name in from_env else "default"
-            self.say(f"  {name:22s} = {value!r:12s} ({source})")
+        bad = self._bad_variables()
+        for reason in bad.values():
+            self.problem(reason)
+        for name in _options.unknown_variables(os.environ):
+            self.problem(_options.unknown_message(name))
+        for name, spec in _options.SPECS.items():
+            text = os.environ.get(spec.env)
+            if name in bad:
+                self.say(f"  {name:22s} = (invalid)    ({spec.env})")
+            elif text is None or not text.strip():
+                self.say(f"  {name:22s} = {spec.default!r:12s} (default)")
+            else:
+                value = _options.parse_text(name, text, f"environment variable {spec.env}")
+                self.say(f"  {name:22s} = {value!r:12s} ({spec.env})")
+
+    def _bad_variables(self) -> dict[str, str]:
+        """Every invalid AMPGUARD_<OPTION>, each with its own reason (not just the first)."""
+        from . import _options
+        from ._errors import ConfigError
+
+        bad = {}
+        for name, spec in _options.SPECS.items():
+            text = os.environ.get(spec.env)
+            if text is not None and text.strip():
+                try:
+                    _options.parse_text(name, text, f"environment variable {spec.env}")
+                except ConfigError as exc:
+                    bad[name] = str(exc)
+        return bad
 
     def devices(self, torch: Any) -> None:
         self.say("devices")

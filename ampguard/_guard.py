@@ -35,10 +35,10 @@ _FEATURES = ("schedulers", "closures", "nonfinite", "lint")  # the options that 
 class Stats:
     """Counters users can read at any time; names follow what users see."""
 
-    optimizer_steps_applied: int = 0
-    optimizer_steps_skipped: int = 0
+    optimizer_steps_applied: int = 0  # every optimizer step that changed the parameters, scaler or not
+    optimizer_steps_skipped: int = 0  # steps GradScaler skipped (inf/NaN gradients)
     scheduler_steps_held: int = 0
-    loss_scale: float | None = None  # the scale in effect at the latest GradScaler.update()
+    loss_scale: float | None = None  # the scale after the latest GradScaler.update(), as get_scale() returns it
     loss_scale_min: float | None = None
     loss_scale_max: float | None = None
     closures_injected: int = 0

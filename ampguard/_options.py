@@ -27,6 +27,7 @@ class OptionSpec:
     check: Callable[[Any], Any]  # validates a Python value, returns the normalised value
     parse_env: Callable[[str], Any]  # turns an env string into a Python value (then `check`)
     doc: str
+    accepted_text: str = ""  # the accepted values as written in AMPGUARD_* and --ampguard-* (the form typed there)
 
     @property
     def env(self) -> str:
@@ -122,8 +123,15 @@ def _env_devices(text: str) -> tuple[str, ...] | None:
 SPECS: dict[str, OptionSpec] = {}
 
 
+_BOOL_TEXT = "1/0, true/false, yes/no or on/off"
+_TEXT = {"schedulers": _BOOL_TEXT, "distributed": _BOOL_TEXT, "closures": _BOOL_TEXT, "lint": _BOOL_TEXT,
+         "max_consecutive_skips": "a positive integer or 'none'", "nonfinite": "raise, warn or off",
+         "trace": "replay, eager or off (deferred is accepted as replay)",
+         "devices": "all, or device types separated by commas, such as cuda or cuda,cpu"}
+
+
 def _spec(name: str, default: Any, accepted: str, check: Callable, parse_env: Callable, doc: str) -> None:
-    SPECS[name] = OptionSpec(name, default, accepted, check, parse_env, doc)
+    SPECS[name] = OptionSpec(name, default, accepted, check, parse_env, doc, _TEXT[name])
 
 
 _spec(
@@ -256,21 +264,45 @@ def validate(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Read every ``AMPGUARD_<OPTION>`` that is set; raise ConfigError naming the variable."""
+def from_environ(environ: Mapping[str, str] | None = None, skip: frozenset | set = frozenset()) -> dict[str, Any]:
+    """Read every ``AMPGUARD_<OPTION>`` that is set, except the options in ``skip`` (given as keywords,
+    which win even over an invalid value); ConfigError names the variable. An unknown ``AMPGUARD_*``
+    variable gets one AmpGuardWarning naming the closest one, never an error."""
     environ = os.environ if environ is None else environ
     out = {}
     for spec in SPECS.values():
         text = environ.get(spec.env)
-        if text is None or text.strip() == "":
+        if spec.name in skip or text is None or text.strip() == "":
             continue
         out[spec.name] = parse_text(spec.name, text, f"environment variable {spec.env}")
-    known = {spec.env for spec in SPECS.values()} | {k for k in ENV_SWITCHES if k.startswith("AMPGUARD_")}
-    unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in known)
-    if unknown:
-        accepted = ", ".join(sorted(known))
-        raise ConfigError(f"ampguard: unknown environment variable {unknown[0]}; accepted variables: {accepted}")
+    for name in unknown_variables(environ):
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            from ._frames import warn_at_user
+
+            warn_at_user(unknown_message(name))
     return out
+
+
+_warned_unknown: set[str] = set()
+
+
+def known_variables() -> set[str]:
+    return {spec.env for spec in SPECS.values()} | set(ENV_SWITCHES)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    known = known_variables()
+    return sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in known)
+
+
+def unknown_message(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known_variables()), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    known = ", ".join(sorted(known_variables()))
+    return f"ampguard: unknown environment variable {name} is ignored; {hint}known: {known}"
 
 
 def parse_text(name: str, text: str, source: str) -> Any:
@@ -279,14 +311,15 @@ def parse_text(name: str, text: str, source: str) -> Any:
     try:
         return spec.check(spec.parse_env(text))
     except _Reject:
-        raise _fail(spec, text, source) from None
+        raise ConfigError(f"ampguard: {source} got {text!r}; accepted values: {spec.accepted_text}") from None
 
 
 def resolve(kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None,
             base: Options | None = None) -> Options:
     """Keyword arguments over environment over ``base`` (or the defaults)."""
-    merged = from_environ(environ)
-    merged.update(validate(kwargs))
+    checked = validate(kwargs)
+    merged = from_environ(environ, skip=set(checked))
+    merged.update(checked)
     return dataclasses.replace(base or Options(), **merged)
 
 
@@ -299,5 +332,5 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     try:
         return _env_bool(text)
     except _Reject:
-        raise ConfigError(f"ampguard: environment variable {name} got {text!r}; "
-                          "accepted values: 1/0, true/false, yes/no, on/off") from None
+        raise ConfigError(f"ampguard: environment variable {name} got {text!r}; accepted values: {_BOOL_TEXT}") \
+            from None

@@ -273,7 +273,8 @@ def _warn_untouched(cls: type, target: Target, reason: str) -> None:
     if (id(cls), target.name) in _untouched_warned:
         return
     _untouched_warned.add((id(cls), target.name))
-    log.warning("ampguard leaves %s.%s untouched: %s", cls.__qualname__, target.name, reason)
+    # a debug record, not a warning record: the warning below is the one message the user sees
+    log.debug("ampguard leaves %s.%s untouched: %s", cls.__qualname__, target.name, reason)
     warn_at_user(f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}")  # at the class statement
 
 

@@ -15,7 +15,8 @@ from ._errors import ConfigError
 
 
 def activate_from_env(source: str = "AMPGUARD=1") -> _guard.Guard | None:
-    """Install with the ``AMPGUARD_*`` options; on a bad value, say so in one line and run without."""
+    """Install with the ``AMPGUARD_*`` options. On a bad value the start-up hook says so in one line
+    and the program runs without the guard; ``python -m ampguard``, which asked for the guard, raises."""
     try:
         if source == "AMPGUARD=1" and not _options.env_flag("AMPGUARD", False):
             return None
@@ -23,6 +24,8 @@ def activate_from_env(source: str = "AMPGUARD=1") -> _guard.Guard | None:
         report = _options.env_flag("AMPGUARD_REPORT", True)
         g = _guard.install()
     except ConfigError as exc:
+        if source != "AMPGUARD=1":
+            raise
         print(f"{exc} -- running without ampguard", file=sys.stderr)
         return None
     if report:

@@ -3,15 +3,18 @@
 Patch target: ``LightningModule.optimizer_step`` and every override, in ``lightning.pytorch``
 and ``pytorch_lightning``, applied when the program imports either. The override receives
 
-- ``optimizer_closure``: Lightning's closure, run at most once by the override's own calls
-  (calls made by the optimizer inside ``step()`` re-evaluate, as LBFGS needs);
+- its closure argument: Lightning's ``Closure`` behind a transparent proxy (``isinstance``
+  holds), run at most once by the override's own calls (calls the optimizer makes inside
+  ``step()`` re-evaluate, as LBFGS needs);
 - ``optimizer``: a transparent proxy whose ``step()`` without a closure gets that closure.
 
-So ``optimizer.step()`` runs ``training_step`` once and applies the step;
-``optimizer_closure(); optimizer.step()`` hands the step the cached result (under 16-mixed the
-GradScaler then really steps); a hook that runs neither has its closure run afterwards, so
-``training_step`` runs and Lightning does not crash. ``optimizer.step(closure=optimizer_closure)``
-is unchanged. Each case counts in ``Guard.stats.closures_injected`` and warns once per class.
+ampguard injects only where that carries out what the code meant: ``optimizer.step()`` without
+the closure runs ``training_step`` and applies the step, and ``closure(); optimizer.step()``
+hands the step the cached result (under 16-mixed the GradScaler then really steps). An override
+that never runs the closure, or an optimizer whose ``step()`` drops it, still fails with
+Lightning's own error: ampguard never turns that failure into a warning. Each injection counts
+in ``Guard.stats.closures_injected`` and warns once per class, at the user's line, with the
+user's own name for the closure.
 
 Importing this module does not import Lightning; ``AmpGuardCallback`` does, on first access.
 """
@@ -27,36 +30,35 @@ import wrapt
 
 from . import _guard
 from ._errors import AmpGuardWarning
+from ._frames import user_frames
 from ._guard import DEPTH, internal_failure
 from ._patching import REGISTRY, Target
 
 FEATURE = "closures"
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
-_FIX = "pass the closure: optimizer.step(closure=optimizer_closure)"
 
-
-class _HookClosure:
-    """Lightning's closure as the override sees it."""
+class _HookClosure(wrapt.ObjectProxy):
+    """Lightning's closure as the override sees it: still a ``Closure`` to ``isinstance``."""
 
     def __init__(self, closure: Any) -> None:
-        self._closure = closure
-        self.ran = False  # the real closure ran at least once during this hook call
-        self.fresh = False  # a result from the override's own call that no step has used yet
-        self.in_step = 0
-        self.result: Any = None
+        super().__init__(closure)
+        self._self_ran = False  # the real closure ran at least once during this hook call
+        self._self_fresh = False  # a result from the override's own call that no step has used yet
+        self._self_in_step = 0
+        self._self_result: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.in_step:
-            if self.fresh:
-                self.fresh = False
-                return self.result
-        elif self.ran:
-            return self.result  # the override's own calls run training_step at most once
-        self.result = self._closure(*args, **kwargs)
-        self.fresh = not self.in_step
-        self.ran = True
-        return self.result
+        if self._self_in_step:
+            if self._self_fresh:
+                self._self_fresh = False
+                return self._self_result
+        elif self._self_ran:
+            return self._self_result  # the override's own calls run training_step at most once
+        self._self_result = self.__wrapped__(*args, **kwargs)
+        self._self_fresh = not self._self_in_step
+        self._self_ran = True
+        return self._self_result
 
 
 class _StepInjector(wrapt.ObjectProxy):
@@ -70,15 +72,23 @@ class _StepInjector(wrapt.ObjectProxy):
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         hook_closure = self._self_closure
         if closure is None:
-            caller = sys._getframe(1)
-            case = "ran-then-step" if hook_closure.fresh else "step-without-closure"
-            self._self_injected.append((case, caller.f_code.co_filename, caller.f_lineno))
-            closure = hook_closure
-        hook_closure.in_step += 1
+            # the user's line: past Lightning's own frames when the override called super().optimizer_step()
+            site = user_frames(sys._getframe(1), limit=1, budget=16)
+            code, line = site[0] if site else (sys._getframe(1).f_code, sys._getframe(1).f_lineno)
+            case = "ran-then-step" if hook_closure._self_fresh else "step-without-closure"
+            ran_before = hook_closure._self_ran
+            hook_closure._self_in_step += 1
+            try:
+                return self.__wrapped__.step(closure=hook_closure, **kwargs)
+            finally:
+                hook_closure._self_in_step -= 1
+                if case == "ran-then-step" or (hook_closure._self_ran and not ran_before):
+                    self._self_injected.append((case, code.co_filename, line))  # only what really happened
+        hook_closure._self_in_step += 1
         try:
             return self.__wrapped__.step(closure=closure, **kwargs)
         finally:
-            hook_closure.in_step -= 1
+            hook_closure._self_in_step -= 1
 
 
 def _slot(args: list, kwargs: dict, position: int, name: str) -> tuple[Any, Any] | None:
@@ -88,6 +98,24 @@ def _slot(args: list, kwargs: dict, position: int, name: str) -> tuple[Any, Any]
     if name in kwargs:
         return kwargs, name
     return None
+
+
+_closure_names: dict[Any, str] = {}
+
+
+def _closure_name(function: Any) -> str:
+    """What the override calls its closure parameter (``optimizer_closure``, ``closure``, ...)."""
+    code = getattr(function, "__code__", None)
+    name = _closure_names.get(code)
+    if name is None:
+        try:
+            params = list(inspect.signature(function).parameters.values())
+            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            name = positional[4].name if len(positional) > 4 else "optimizer_closure"
+        except (TypeError, ValueError):
+            name = "optimizer_closure"
+        _closure_names[code] = name
+    return name
 
 
 def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -107,18 +135,14 @@ def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     except Exception as exc:
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
+    # No step and no closure, or an optimizer that drops the closure: the closure never runs and
+    # Lightning raises its own error, as it should.
     result = DEPTH.outermost("optimizer_step", wrapped, new_args, new_kwargs)
-    no_step = not hook_closure.ran
-    if no_step:
-        hook_closure()  # neither step nor closure: run training_step so Lightning gets its result
     try:
         events = list(proxy._self_injected)
-        if no_step:
-            code = getattr(wrapped, "__code__", None)
-            events.append(("no-step", code.co_filename if code else "?", code.co_firstlineno if code else 0))
         if events:
             g.stats.closures_injected += len(events)
-            _warn_once(g, type(instance), *events[0])
+            _warn_once(g, type(instance), _closure_name(wrapped), *events[0])
     except AmpGuardWarning:
         raise
     except Exception as exc:
@@ -129,25 +153,22 @@ def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 _MESSAGES = {
     "step-without-closure": (
         "{cls}.optimizer_step called optimizer.step() without the closure. Lightning 2.x would stop with "
-        "\"The closure hasn't been executed\"; ampguard passed the closure, so training_step ran once and the "
-        "step was applied."),
-    "ran-then-step": (
-        "{cls}.optimizer_step called optimizer_closure() and then optimizer.step() without it. Under 16-mixed "
-        "this silently never updates the weights; ampguard gave the step the closure's result, so the step "
+        "\"The closure hasn't been executed\"; ampguard passed the closure, so training_step ran and the step "
         "was applied."),
-    "no-step": (
-        "{cls}.optimizer_step returned without calling optimizer.step() or optimizer_closure(). ampguard ran "
-        "the closure so training_step ran and Lightning does not crash, but no optimizer step was taken: "
-        "gradients accumulate."),
+    "ran-then-step": (
+        "{cls}.optimizer_step called {closure}() and then optimizer.step() without it. Under 16-mixed this "
+        "silently never updates the weights; ampguard gave the step the closure's result, so the step was "
+        "applied."),
 }
 
 
-def _warn_once(g: _guard.Guard, cls: type, case: str, filename: str, lineno: int) -> None:
+def _warn_once(g: _guard.Guard, cls: type, closure: str, case: str, filename: str, lineno: int) -> None:
     warned = g.feature_state("closures_warned", set)
     if cls in warned:
         return
     warned.add(cls)
-    message = _MESSAGES[case].format(cls=cls.__qualname__) + f" Fix ({filename}:{lineno}): {_FIX}."
+    message = (_MESSAGES[case].format(cls=cls.__qualname__, closure=closure)
+               + f" Fix: pass the closure: optimizer.step(closure={closure}).")
     warnings.warn_explicit(message, AmpGuardWarning, filename, lineno, module=cls.__module__)
 
 
@@ -165,8 +186,8 @@ def _accept(cls: type, function: Any) -> str | None:
     old_form = len(required) > 4 or (len(positional) >= 4 and positional[3].name == "optimizer_idx")
     if old_form:
         return (f"its signature {signature} is Lightning 1.x's; Lightning 2.x calls "
-                "optimizer_step(epoch, batch_idx, optimizer, optimizer_closure). Update the signature and "
-                f"{_FIX}.")
+                "optimizer_step(epoch, batch_idx, optimizer, optimizer_closure). Update the signature and pass "
+                "the closure: optimizer.step(closure=optimizer_closure).")
     if len(positional) < 4 and not any(p.kind is p.VAR_KEYWORD for p in params):
         return f"its signature {signature} cannot receive the optimizer_closure that Lightning passes."
     return None
@@ -217,8 +238,8 @@ def _make_callback_class() -> type:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             g = _guard.active()
-            if g is None:
-                return
+            if g is None or not getattr(trainer, "loggers", None):
+                return  # no logger: logging would only make Lightning warn that nobody listens
             s = g.stats
             metrics = {"ampguard/optimizer_steps_skipped": float(s.optimizer_steps_skipped),
                        "ampguard/scheduler_steps_held": float(s.scheduler_steps_held)}

@@ -28,8 +28,8 @@ from typing import Any
 
 from . import _guard, _sync
 from ._errors import AmpGuardError, LossScaleCollapseError
-from ._guard import DEPTH, Guard, internal_failure
-from ._patching import REGISTRY, Target
+from ._guard import DEPTH, Guard, fail_safe, internal_failure
+from ._patching import REGISTRY, Switch, Target
 
 FEATURE = "schedulers"
 _SMALLEST_NORMAL_FP32 = 2.0**-126
@@ -52,6 +52,7 @@ class ScalerRecord:
     pending: list[_PendingStep] = dataclasses.field(default_factory=list)
     iteration_skipped: list[str] = dataclasses.field(default_factory=list)  # optimizers skipped since update
     iteration_scale: float | None = None
+    iteration_tracker: float = 0.0
     consecutive_skips: int = 0
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
@@ -137,6 +138,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     else:
         own = [_all_ranks_skips(ranks, pending, scale.device)]
     own.append(scale)
+    own.append(scaler._growth_tracker)  # with the scale: the scale after update() follows without a read
     if extra is not None:
         own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
     values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
@@ -165,6 +167,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
             stats.optimizer_steps_applied += 1
     if pending:
         record.iteration_scale = values[i]
+        record.iteration_tracker = values[i + 1]
     settle()  # the other features' checks that rode on this read; may raise NonFiniteError
     return values[-1] if extra is not None else None
 
@@ -251,7 +254,6 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     record.iteration_scale = None
     if scale is None:  # update() without any tracked step this iteration
         return
-    g.stats.note_scale(scale)
     record.history.append(scale)
     if skipped:
         record.consecutive_skips += 1
@@ -264,8 +266,12 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
         predicted = new_value
     elif skipped:
         predicted = _fp32(scale * scaler._backoff_factor)
+    elif record.iteration_tracker + 1 >= scaler._growth_interval:
+        grown = _fp32(scale * scaler._growth_factor)
+        predicted = grown if math.isfinite(grown) else scale  # update() keeps the scale if growth overflows
     else:
         predicted = scale
+    g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
     limit = g.options.max_consecutive_skips
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,
@@ -360,6 +366,26 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
     applied, skipped = tables(g).snapshots.get(scheduler) or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied
 
+
+@fail_safe(FEATURE)
+def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A step taken outside GradScaler.step() changed the parameters: count it as applied."""
+    g = _guard.current(FEATURE)
+    if g is None or DEPTH.counts.get("scaler.step"):
+        return  # a scaler's step is counted at update(), from its own found_inf
+    g.stats.optimizer_steps_applied += 1
+    record = optimizers(g).get(optimizer)
+    if record is not None:
+        record.applied += 1  # an optimizer that also goes through a scaler: its schedulers follow this step
+
+
+def _switch_step_counter() -> Any:
+    from torch.optim import optimizer as optim_module
+
+    return optim_module.register_optimizer_step_post_hook(_optimizer_post_step).remove
+
+
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_step_counter, "count optimizer steps taken without a GradScaler"))
 
 for _name, _wrapper, _why in (
     ("step", _scaler_step, "remember which optimizer was stepped and the scaler's found_inf for it"),

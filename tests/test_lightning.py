@@ -74,8 +74,8 @@ def nothing_step(self, epoch, batch_idx, optimizer, optimizer_closure):
     pass
 
 
-def fit(L, model, callbacks=(), plugins=None, **kwargs):
-    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+def fit(L, model, callbacks=(), plugins=None, logger=False, **kwargs):
+    trainer = L.Trainer(max_epochs=1, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1, callbacks=list(callbacks),
                         plugins=plugins, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -151,15 +151,68 @@ def test_lbfgs_still_re_evaluates_the_closure(L):
     assert ours == [] and g.stats.closures_injected == 0
 
 
-def test_no_step_and_no_closure_runs_training_step_without_crashing(L):
+def test_no_step_and_no_closure_still_fails_with_lightnings_own_error(L):
     g = ampguard.install()
     model = module_class(L, nothing_step)()
-    before = model.layer.weight.detach().clone()
+    with pytest.raises(Exception, match="closure hasn't been executed") as info:
+        fit(L, model)
+    assert type(info.value).__name__ == "MisconfigurationException"
+    assert g.stats.closures_injected == 0  # never turned into a warning
+
+
+class DropsTheClosure(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step()  # the closure is lost: stale gradients
+
+
+def test_an_optimizer_that_drops_the_closure_still_fails_with_lightnings_own_error(L):
+    class Model(module_class(L, warmup_step)):
+        def configure_optimizers(self):
+            return DropsTheClosure(self.parameters(), lr=0.1)
+
+    g = ampguard.install()
+    with pytest.raises(Exception, match="closure hasn't been executed"):
+        fit(L, Model())
+    assert g.stats.closures_injected == 0
+
+
+def test_the_override_receives_lightnings_own_closure_class(L):
+    from importlib import import_module
+
+    Closure = import_module(f"{L.__name__}.loops.optimization.automatic").Closure
+    seen = []
+
+    def checking_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        seen.append(isinstance(optimizer_closure, Closure))
+        optimizer.step(closure=optimizer_closure)
+
+    ampguard.install()
+    fit(L, module_class(L, checking_step)())
+    assert seen == [True] * BATCHES
+
+
+def renamed_step(self, epoch, batch_idx, optimizer, closure):
+    closure()
+    optimizer.step()
+
+
+def super_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+    super(type(self), self).optimizer_step(epoch, batch_idx, optimizer)  # SUPER LINE: the closure is lost
+
+
+def test_warnings_use_the_users_name_for_the_closure_and_the_users_line(L):
+    ampguard.install()
+    _, ours = fit(L, module_class(L, renamed_step)())
+    message = str(ours[0].message)
+    assert "called closure() and then optimizer.step()" in message
+    assert message.endswith("Fix: pass the closure: optimizer.step(closure=closure).")
+    assert "test_lightning.py:" not in message  # the location is the warning's own, not repeated
+    ampguard.uninstall()
+    g = ampguard.install()
+    model = module_class(L, super_step)()
     _, ours = fit(L, model)
-    assert model.training_steps == BATCHES
-    assert torch.equal(before, model.layer.weight)  # no optimizer step was asked for
-    assert g.stats.closures_injected == BATCHES
-    assert len(ours) == 1 and "returned without calling optimizer.step()" in str(ours[0].message)
+    assert model.training_steps == BATCHES and g.stats.closures_injected == BATCHES
+    assert ours[0].filename == __file__ and ours[0].lineno == super_step.__code__.co_firstlineno + 1
 
 
 def test_class_defined_after_install_and_option_off(L):
@@ -219,18 +272,29 @@ def test_fp16_scaler_overflow_holds_the_per_step_scheduler(L):
     assert trainer.global_step == BATCHES  # Lightning counts skipped steps; ampguard leaves it alone
 
 
-def test_callback_installs_logs_and_restores(L):
+def test_callback_installs_logs_and_restores(L, tmp_path):
     from ampguard.lightning import AmpGuardCallback
 
     callback = AmpGuardCallback(max_consecutive_skips=100)
     assert isinstance(callback, L.Callback)
     model = module_class(L, sched=True, overflow={1})()
-    trainer, _ = fit(L, model, callbacks=[callback], plugins=[scaler_plugin(L, init_scale=16.0)])
+    logger = importlib.import_module(f"{L.__name__}.loggers").CSVLogger(tmp_path)
+    trainer, _ = fit(L, model, callbacks=[callback], plugins=[scaler_plugin(L, init_scale=16.0)], logger=logger)
     metrics = trainer.callback_metrics
     assert metrics["ampguard/optimizer_steps_skipped"].item() == 1
     assert metrics["ampguard/scheduler_steps_held"].item() == 1
     assert metrics["ampguard/loss_scale"].item() == 8.0
     assert ampguard.active() is None  # it installed the guard, so it removed it
+
+
+def test_callback_without_a_logger_logs_nothing_and_warns_nothing(L):
+    from ampguard.lightning import AmpGuardCallback
+
+    model = module_class(L)()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(L, model, callbacks=[AmpGuardCallback()])  # fit() passes logger=False
+    assert not [w for w in caught if "no logger configured" in str(w.message)]
 
 
 def test_callback_keeps_an_existing_guard(L):
