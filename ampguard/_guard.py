@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -19,9 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-from . import _options
-from ._errors import AmpGuardError, AmpGuardWarning
-from ._frames import warn_at_user
+from . import _fallback, _options
 from ._patching import REGISTRY
 
 log = logging.getLogger("ampguard")
@@ -148,6 +145,8 @@ class Guard:
         return f"{kind}#{n}"
 
     def report(self) -> str:
+        """What happened under this guard, in a few lines: steps applied and skipped, scheduler steps held,
+        the loss scale, closures injected, non-finite values detected, and any feature switched off."""
         s = self.stats
         lines = ["ampguard report" + _rank_label()]
         lines.append(f"  optimizer steps: {s.optimizer_steps_applied} applied, "
@@ -160,7 +159,8 @@ class Guard:
         if self._disabled:
             lines.append(f"  disabled after an internal error: {', '.join(sorted(self._disabled))} "
                          "(see the 'ampguard' log)")
-        lines.append("  docs: README.md, section 'What ampguard does'")
+        lines.append("  docs: the README's section 'What ampguard does'; an installed copy is the package description, "
+                     "importlib.metadata.metadata('ampguard')['Description']")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -182,11 +182,13 @@ def _rank_label() -> str:
 # -- installation state ------------------------------------------------------------------
 _lock = threading.RLock()
 _active: Guard | None = None
-_warned: set[str] = set()
+
+
+_fallback.active_guard = lambda: _active  # the fallback sits below the registry and asks up through this
 
 
 def active() -> Guard | None:
-    """The installed Guard, or None."""
+    """The Guard in force here (a ``guard()`` block's, else the installed one), or None."""
     return _active
 
 
@@ -207,7 +209,47 @@ def _declare_features() -> None:
     from . import lightning, lints, nonfinite, schedulers  # noqa: F401
 
 
-def install(**options: Any) -> Guard:
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET: Any = _Unset()  # an option not passed (None is a value: max_consecutive_skips=None, devices=None)
+
+_OPTION_DOCS = """
+    Options (each also an ``AMPGUARD_<OPTION>`` variable; a keyword wins over the variable):
+
+    - ``schedulers`` (bool, True): hold an LR scheduler's step() for steps GradScaler skipped.
+    - ``max_consecutive_skips`` (positive int or None, 32): raise LossScaleCollapseError after
+      this many skipping updates in a row (None: never by count; the scale may never reach 0).
+    - ``distributed`` (bool, True): every rank takes the same skip decision (one all-reduce).
+    - ``closures`` (bool, True): give a Lightning optimizer_step that forgot its closure the closure.
+    - ``lint`` (bool, True): warn once about AMP mistakes that do not crash.
+    - ``nonfinite`` ('raise', 'warn' or 'off'): what a NaN/Inf at a sink does.
+    - ``trace`` ('replay', 'eager' or 'off'): how its origin is found ('deferred' = 'replay').
+    - ``devices`` (None or device types such as ('cuda',)): which tensors are watched.
+
+    A wrong name or value raises ConfigError naming the option and the accepted values.
+"""
+
+
+def _given(options: dict[str, Any], unknown: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: v for k, v in options.items() if v is not UNSET}, **unknown}
+
+
+def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET, distributed: bool = UNSET,
+            closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
+            devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Guard:
+    """Patch torch (and Lightning when the program imports it) process-wide; return the active Guard.
+
+    Call it first, before building the model. A second call while installed never wraps twice:
+    it changes only the options it names, on the active guard, and keeps the others as they
+    are (``install()`` with no argument changes nothing). ``uninstall()`` then ``install()``
+    starts from the defaults and the environment again.
+    """
+    options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+                      "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
+                      "trace": trace, "devices": devices}, unknown)
     with _lock:
         if _active is None:
             _declare_features()
@@ -219,7 +261,12 @@ def install(**options: Any) -> Guard:
         return _active
 
 
+install.__doc__ = (install.__doc__ or "") + _OPTION_DOCS
+
+
 def uninstall() -> None:
+    """Read the checks still pending (raising NonFiniteError if one failed), then put back every
+    patched attribute, identical (``is``) to the original. Safe to call when not installed."""
     with _lock:
         if _active is None and not REGISTRY.installed:
             return
@@ -239,7 +286,18 @@ def _settle(g: Guard | None, error: bool) -> None:
 
 
 @contextlib.contextmanager
-def guard(**options: Any) -> Iterator[Guard]:
+def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET, distributed: bool = UNSET,
+          closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
+          devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Iterator[Guard]:
+    """A block under a guard of its own: fresh counters, these options on top of the outer guard's
+    (or of the environment and defaults), and exactly the state from before on exit.
+
+    On a normal exit the checks still pending are read (a NaN the block made raises here); if an
+    exception leaves the block, they are dropped and that exception is the one you see.
+    """
+    options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+                      "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
+                      "trace": trace, "devices": devices}, unknown)
     with _lock:
         previous = _active
         if previous is None:
@@ -266,43 +324,7 @@ def guard(**options: Any) -> Iterator[Guard]:
                     _set_active(previous)
 
 
-def internal_failure(feature: str, exc: BaseException) -> None:
-    """An ampguard bug: log it, warn once, and switch the feature off so PyTorch's behaviour is used."""
-    log.error("ampguard: internal error in %s; falling back to PyTorch's own behaviour", feature, exc_info=exc)
-    g = _active
-    warned = g._disabled if g is not None else _warned  # one warning per feature and guard
-    first = feature not in warned
-    warned.add(feature)
-    if g is not None:
-        # Only mark it: this may run inside one of torch's hook loops, which must not change size
-        # under it. The feature's hooks return at once from now on.
-        g._refresh()
-    if first:
-        warn_at_user(
-            f"ampguard: internal error in {feature} ({type(exc).__name__}: {exc}); {feature} is switched off "
-            "for the rest of this run and PyTorch's own behaviour is used. The 'ampguard' logger has the "
-            "traceback; please report it.")
-
-
-def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A torch hook that never breaks the user's run: intended errors and warnings-as-errors pass,
-    an ampguard bug switches ``feature`` off and PyTorch's behaviour goes on (the hook returns None)."""
-
-    def decorate(hook: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(hook)
-        def safe(*args: Any) -> Any:
-            __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-            try:
-                return hook(*args)
-            except (AmpGuardError, AmpGuardWarning):
-                raise
-            except Exception as exc:
-                internal_failure(feature, exc)
-                return None
-
-        return safe
-
-    return decorate
+guard.__doc__ = (guard.__doc__ or "") + _OPTION_DOCS
 
 
 class Depth(threading.local):

@@ -27,6 +27,7 @@ from typing import Any
 import wrapt
 
 from ._errors import AmpGuardWarning
+from ._fallback import internal_failure
 from ._frames import warn_at_user
 
 log = logging.getLogger("ampguard")
@@ -279,8 +280,6 @@ def _warn_untouched(cls: type, target: Target, reason: str) -> None:
 
 
 def _report_failure(what: str, exc: BaseException) -> None:
-    from ._guard import internal_failure  # late: _guard imports this module
-
     internal_failure(what, exc)
 
 

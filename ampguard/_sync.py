@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import AmpGuardError, AmpGuardWarning
-from ._guard import internal_failure
+from ._fallback import internal_failure
 
 # (feature, collect, consume): collect() -> tensors waiting for a read; consume(values) judges them
 _participants: list[tuple[str, Callable[[], list], Callable[[list[float]], None]]] = []

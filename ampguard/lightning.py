@@ -30,8 +30,9 @@ import wrapt
 
 from . import _guard
 from ._errors import AmpGuardWarning
+from ._fallback import internal_failure
 from ._frames import user_frames
-from ._guard import DEPTH, internal_failure
+from ._guard import DEPTH
 from ._patching import REGISTRY, Target
 
 FEATURE = "closures"

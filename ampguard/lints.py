@@ -34,8 +34,9 @@ from typing import Any
 
 from . import _guard
 from ._errors import AmpGuardWarning
+from ._fallback import fail_safe, internal_failure
 from ._frames import warn_at_user
-from ._guard import ObjectState, fail_safe, internal_failure
+from ._guard import ObjectState
 from ._patching import REGISTRY, Switch, Target
 
 FEATURE = "lint"

@@ -26,6 +26,7 @@ OPTIONS = ("schedulers", "max_consecutive_skips", "distributed", "closures", "li
 _options_key = pytest.StashKey[dict]()
 _guard_key = pytest.StashKey[Any]()  # the Guard this test runs under
 _exit_key = pytest.StashKey[Any]()  # the guard() context the plugin entered for this test
+_failed_key = pytest.StashKey[bool]()  # the test itself failed: its exception wins over checks still pending
 
 
 def _flag(name: str) -> str:
@@ -44,6 +45,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ampguard(**options): run this test under an ampguard guard with these options")
+    import os
+
+    if any(k.startswith("AMPGUARD_") for k in os.environ):  # a bad variable: one usage error, not one per test
+        from ampguard import ConfigError, _options
+
+        try:
+            _options.from_environ(skip={n for n in OPTIONS if config.getoption(f"ampguard_{n}", None) is not None})
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None
     options = {}
     for name in OPTIONS:
         text = config.getoption(f"ampguard_{name}", None)
@@ -84,7 +94,14 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     context = item.stash.get(_exit_key, None)
     if context is not None:
         del item.stash[_exit_key]
-        context.__exit__(None, None, None)
+        if item.stash.get(_failed_key, False):
+            context.__exit__(_TestFailed, _TestFailed(), None)  # pending checks are dropped, not raised again
+        else:
+            context.__exit__(None, None, None)
+
+
+class _TestFailed(Exception):
+    """Stands for the test's own failure when the plugin's guard is left after it."""
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -93,6 +110,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     report = outcome.get_result()
     g = item.stash.get(_guard_key, None)
     if g is not None and report.failed:
+        item.stash[_failed_key] = True
         report.sections.append(("ampguard", g.report()))
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from . import _guard, _sync
 from ._errors import AmpGuardError, LossScaleCollapseError
-from ._guard import DEPTH, Guard, fail_safe, internal_failure
+from ._fallback import fail_safe, internal_failure
+from ._guard import DEPTH, Guard
 from ._patching import REGISTRY, Switch, Target
 
 FEATURE = "schedulers"

@@ -146,6 +146,16 @@ def test_bad_option_values_are_usage_errors_naming_the_flag(pytester, args, mess
     assert message in "\n".join(result.stderr.lines)
 
 
+def test_a_bad_environment_variable_is_one_usage_error(pytester, monkeypatch):
+    monkeypatch.setenv("AMPGUARD_TRACE", "sideways")
+    pytester.makepyfile("def test_x(): pass\ndef test_y(): pass")
+    result = pytester.runpytest("--ampguard")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "environment variable AMPGUARD_TRACE got 'sideways'" in "\n".join(result.stderr.lines)
+    result = pytester.runpytest("--ampguard", "--ampguard-trace=off")  # the flag wins over the variable
+    result.assert_outcomes(passed=2)
+
+
 def test_opt_out_with_p_no_ampguard(pytester):
     pytester.makepyfile("def test_x(amp_guard): pass")
     result = pytester.runpytest("-p", "no:ampguard")

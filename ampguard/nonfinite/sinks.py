@@ -32,8 +32,9 @@ from typing import Any
 
 from .. import _guard, _sync
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
+from .._fallback import fail_safe, internal_failure
 from .._frames import user_frames
-from .._guard import DEPTH, fail_safe, internal_failure
+from .._guard import DEPTH
 
 FEATURE = "nonfinite"
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
