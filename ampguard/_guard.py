@@ -206,7 +206,7 @@ def _set_active(g: Guard | None) -> None:
 
 def _declare_features() -> None:
     # Each feature module declares its patch targets when imported; none of them imports torch.
-    from . import lightning, lints, nonfinite, schedulers  # noqa: F401
+    from . import lightning, lints, nonfinite, schedulers, warning_sites  # noqa: F401
 
 
 class _Unset:
