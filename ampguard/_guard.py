@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from . import _fallback, _options
-from ._patching import REGISTRY
+from ._patching import REGISTRY, Target
 
 log = logging.getLogger("ampguard")
 
@@ -120,8 +120,8 @@ class Guard:
     def options(self, options: _options.Options) -> None:
         self._options = options
         self._refresh()
-        if _active is self:
-            REGISTRY.set_features(self._on)  # global hooks follow the enabled features
+        if REGISTRY.installed:
+            _update_switches()  # global hooks follow the enabled features
 
     def _refresh(self) -> None:
         # The per-op check in current() is one set lookup.
@@ -180,28 +180,82 @@ def _rank_label() -> str:
 
 
 # -- installation state ------------------------------------------------------------------
+# install() is process-wide; a guard() block belongs to the thread that entered it. The patches
+# stay in place while any guard anywhere needs them, and each hook asks current() for the guard
+# of the thread it runs in.
 _lock = threading.RLock()
-_active: Guard | None = None
+_installed: Guard | None = None  # install()'s guard, for every thread without a block of its own
+_blocks: dict[int, list[Guard]] = {}  # thread id -> the guard() blocks open in it, innermost last
+_backward_guard: Guard | None = None  # a guarded thread's backward: autograd's worker threads use its guard
 
 
-_fallback.active_guard = lambda: _active  # the fallback sits below the registry and asks up through this
+class _Local(threading.local):
+    guard: Guard | None = None  # this thread's innermost guard() block
+
+
+_LOCAL = _Local()
 
 
 def active() -> Guard | None:
-    """The Guard in force here (a ``guard()`` block's, else the installed one), or None."""
-    return _active
+    """The Guard in force in this thread: its innermost ``guard()`` block's, else the installed one, or None."""
+    g = _LOCAL.guard
+    if g is None:
+        g = _backward_guard if _backward_guard is not None and _in_backward() else _installed
+    return g
 
 
 def current(feature: str) -> Guard | None:
-    """The active Guard if ``feature`` is on; the cheap check every patch starts with."""
-    g = _active
+    """The Guard in force in this thread if ``feature`` is on there; the cheap check every patch starts with."""
+    g = _LOCAL.guard
+    if g is None:
+        g = _backward_guard if _backward_guard is not None and _in_backward() else _installed
     return g if g is not None and feature in g._on else None
 
 
-def _set_active(g: Guard | None) -> None:
-    global _active
-    _active = g
-    REGISTRY.set_features(g._on if g is not None else frozenset())
+def _in_backward() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch._C._current_graph_task_id() != -1
+
+
+_fallback.active_guard = active  # the fallback sits below the registry and asks up through this
+
+
+def _live() -> list[Guard]:
+    return ([_installed] if _installed is not None else []) + [g for stack in _blocks.values() for g in stack]
+
+
+def _update_switches() -> None:
+    """Global hooks follow the features some live guard has on (each hook then asks current())."""
+    REGISTRY.set_features(frozenset().union(*(g._on for g in _live())))
+
+
+def _ensure_installed() -> None:
+    if not REGISTRY.installed:
+        _declare_features()
+        REGISTRY.install()
+
+
+def _uninstall_if_unused() -> None:
+    if not _live():
+        REGISTRY.uninstall()
+    _update_switches()
+
+
+def _backward_owner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A backward started in a thread with a guard() block: hooks on autograd's worker threads use that guard."""
+    global _backward_guard
+    g = _LOCAL.guard
+    if g is None:
+        return wrapped(*args, **kwargs)
+    outer, _backward_guard = _backward_guard, g
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _backward_guard = outer
+
+
+REGISTRY.add(Target("torch", "torch.autograd", "backward", _backward_owner,
+                    "hooks that run on autograd's worker threads belong to the guard of the thread that started it"))
 
 
 def _declare_features() -> None:
@@ -250,15 +304,15 @@ def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNS
     options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
+    global _installed
     with _lock:
-        if _active is None:
-            _declare_features()
-            g = Guard(_options.resolve(options))
-            REGISTRY.install()
-            _set_active(g)
+        if _installed is None:
+            _ensure_installed()
+            _installed = Guard(_options.resolve(options))
         else:
-            _active.options = _active.options.replace(**options)
-        return _active
+            _installed.options = _installed.options.replace(**options)
+        _update_switches()
+        return _installed
 
 
 install.__doc__ = (install.__doc__ or "") + _OPTION_DOCS
@@ -267,14 +321,17 @@ install.__doc__ = (install.__doc__ or "") + _OPTION_DOCS
 def uninstall() -> None:
     """Read the checks still pending (raising NonFiniteError if one failed), then put back every
     patched attribute, identical (``is``) to the original. Safe to call when not installed."""
+    global _installed
     with _lock:
-        if _active is None and not REGISTRY.installed:
+        g = _installed
+        if g is None and not REGISTRY.installed:
             return
         try:
-            _settle(_active, error=False)  # checks no step consumed are read before the guard goes
+            if g is not None and active() is g:
+                _settle(g, error=False)  # checks no step consumed are read before the guard goes
         finally:
-            REGISTRY.uninstall()
-            _set_active(None)
+            _installed = None
+            _uninstall_if_unused()
 
 
 def _settle(g: Guard | None, error: bool) -> None:
@@ -299,13 +356,13 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
     with _lock:
-        previous = _active
-        if previous is None:
-            g = install(**options)
-        else:
-            # A nested guard: fresh counters, the outer options with these on top.
-            g = Guard(previous.options.replace(**options))
-            _set_active(g)
+        outer = active()
+        _ensure_installed()
+        g = Guard(outer.options.replace(**options) if outer is not None else _options.resolve(options))
+        stack = _blocks.setdefault(threading.get_ident(), [])
+        stack.append(g)
+        _LOCAL.guard = g
+        _update_switches()
     error = True
     try:
         yield g
@@ -313,15 +370,15 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
     finally:
         with _lock:
             try:
-                if _active is g:
+                if _LOCAL.guard is g:
                     _settle(g, error)
             finally:
-                if previous is None:
-                    if _active is g:
-                        REGISTRY.uninstall()
-                        _set_active(None)
-                else:
-                    _set_active(previous)
+                if g in stack:
+                    stack.remove(g)
+                _LOCAL.guard = stack[-1] if stack else None
+                if not stack:
+                    _blocks.pop(threading.get_ident(), None)
+                _uninstall_if_unused()
 
 
 guard.__doc__ = (guard.__doc__ or "") + _OPTION_DOCS

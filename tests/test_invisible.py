@@ -81,3 +81,73 @@ def test_loss_scale_follows_update_with_a_new_scale():
     scaler.step(opt)
     scaler.update(new_scale=123.0)
     assert g.stats.loss_scale == scaler.get_scale() == 123.0
+
+
+def test_guards_in_two_threads_do_not_see_each_other_and_restore_in_any_order():
+    import threading
+
+    step, warn = vars(torch.optim.lr_scheduler.LRScheduler)["step"], warnings.warn
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def thread_a():
+        try:
+            with ampguard.guard(max_consecutive_skips=5) as g:
+                a_in.set()
+                b_in.wait(30)
+                seen["a still its own"] = ampguard.active() is g
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            a_out.set()
+
+    def thread_b():
+        try:
+            a_in.wait(30)
+            with ampguard.guard(nonfinite="off") as g:
+                seen["b options"] = (g.options.max_consecutive_skips, g.options.nonfinite)
+                b_in.set()
+                a_out.wait(30)  # A exits first: B keeps its guard and the patches
+                patched = vars(torch.optim.lr_scheduler.LRScheduler)["step"] is not step
+                seen["b after a"] = ampguard.active() is g and patched
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert seen == {"a still its own": True, "b options": (32, "off"), "b after a": True}
+    assert ampguard.active() is None  # this thread never saw either guard
+    assert vars(torch.optim.lr_scheduler.LRScheduler)["step"] is step and warnings.warn is warn
+
+
+def test_a_thread_without_a_guard_is_untouched_by_another_threads_guard():
+    import threading
+
+    from loops import scaled_loop
+
+    entered, release = threading.Event(), threading.Event()
+
+    def guarded():
+        with ampguard.guard():
+            entered.set()
+            release.wait(60)
+
+    t = threading.Thread(target=guarded)
+    t.start()
+    try:
+        entered.wait(30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, sched, _ = scaled_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), 4, overflow={0})
+        assert sched.last_epoch == 4  # PyTorch's own behaviour: not held in this thread
+        m = torch.nn.Linear(2, 2)
+        (m(torch.ones(1, 2)) * float("nan")).sum().backward()  # no NonFiniteError from the other thread's guard
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    finally:
+        release.set()
+        t.join(60)
+    assert ampguard.active() is None
