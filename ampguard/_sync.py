@@ -50,12 +50,10 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
         return [], _nothing
     if device is None:
         device = parts[0].device
-    # A status is a largest magnitude in its own dtype: a finite float64 may exceed float32, so float64
-    # parts make the read float64 (never on MPS, which has none); otherwise nothing is converted.
-    wide = torch.float64 if device.type != "mps" and any(t.dtype == torch.float64 for t in parts) else \
-        torch.float32
+    # cat promotes: float32 with the scaler's int32 growth tracker reads as float32, and a float64 part
+    # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
     flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1) for t in parts]
-    values = torch.cat([t if t.dtype == wide else t.to(wide) for t in flat]).tolist()
+    values = torch.cat(flat).tolist()
 
     def settle() -> None:
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's

@@ -106,6 +106,7 @@ _closure_names: dict[Any, str] = {}
 
 def _closure_name(function: Any) -> str:
     """What the override calls its closure parameter (``optimizer_closure``, ``closure``, ...)."""
+    function = getattr(function, "__func__", function)  # wrapt hands over the bound method: self counts here
     code = getattr(function, "__code__", None)
     name = _closure_names.get(code)
     if name is None:

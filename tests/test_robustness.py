@@ -288,7 +288,7 @@ def test_two_thousand_traced_training_steps_do_not_grow():
     print(f"2,000 traced steps: Python memory grew by {growth} bytes, peak RSS by {rss_growth} KiB, "
           f"{objects_after - objects} more gc objects, {tensors_after - tensors} more tensors, "
           f"at most {peak} calls and loss-code ops kept")
-    assert tensors_after == tensors and objects_after - objects < 100
+    assert tensors_after <= tensors and objects_after - objects < 100  # an earlier test's garbage may go meanwhile
     # an object kept per step would be +2000 above; pymalloc's own arenas move by tens of KiB
     assert growth < 192 * 1024 and rss_growth < 16 * 1024
     assert peak == 2 and len(nonfinite.T.window) == 0  # the model call and mse_loss, never per op
