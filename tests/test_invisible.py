@@ -16,6 +16,11 @@ m = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(m.parameters(), lr=0.1)
 sched = torch.optim.lr_scheduler.StepLR(opt, 1)
 sched.step()  # a real mistake, no scaler involved: PyTorch's own warning
+warnings.filterwarnings("error", category=UserWarning, module="__main__")  # -W error::UserWarning:__main__
+try:
+    torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), 1).step()
+except UserWarning:
+    print("caught by a filter on __main__")
 """
 
 
@@ -27,9 +32,8 @@ def test_a_torch_warning_inside_a_wrapped_call_keeps_its_file_and_line(python, t
     line = [x for x in plain.stderr.splitlines() if "Detected call of `lr_scheduler.step()`" in x]
     assert line and line[0].startswith(f"{script}:9: UserWarning: Detected call"), plain.stderr
     assert [x for x in guarded.stderr.splitlines() if "Detected call" in x] == line, guarded.stderr
-    # so a filter on the user's module still catches it
-    strict = python(None, "-W", "error::UserWarning:__main__", str(script), "guarded")
-    assert strict.returncode == 1 and "UserWarning: Detected call" in strict.stderr
+    # so a filter on the user's module still catches it, as without ampguard
+    assert "caught by a filter on __main__" in plain.stdout and "caught by a filter on __main__" in guarded.stdout
 
 
 def test_uninstall_restores_warnings_warn_by_identity():
