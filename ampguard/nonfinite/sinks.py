@@ -422,11 +422,12 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
+    if g is not None and not T.replaying:
+        end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
     out = wrapped(*args, **kwargs)
     if g is None or T.replaying or not getattr(instance, "_enabled", False):
         return out
     try:
-        end_tape()
         loss = args[0] if args else kwargs.get("outputs")
         if isinstance(loss, _torch.Tensor) and isinstance(out, _torch.Tensor) and loss.is_floating_point():
             add_loss(g, loss)
