@@ -338,3 +338,18 @@ def test_ampguard_env_with_a_lightning_script_that_never_imports_ampguard(python
     assert "optimizer.step(closure=optimizer_closure)" in proc.stderr
     plain = python(None, str(script))
     assert plain.returncode != 0 and "closure hasn't been executed" in plain.stderr
+
+
+def test_the_loss_code_record_ends_where_training_step_returns(L):
+    from ampguard import nonfinite
+
+    seen = []
+
+    class Probe(L.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            seen.append((nonfinite.T.tape is None, [type(e).__name__ for e in nonfinite.T.window]))
+
+    ampguard.install()
+    fit(L, module_class(L)(), callbacks=[Probe()])
+    assert len(seen) == BATCHES and all(ended for ended, _ in seen)
+    assert seen[0][1] == ["Call", "TapeOp", "TapeOp"]  # the layer, then pow and mean: nothing of Lightning's

@@ -73,3 +73,6 @@ REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises"))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,
                     "the loss sink under AMP"))
+for _namespace in ("lightning.pytorch", "pytorch_lightning"):
+    REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
+                        sinks._training_step, "end the loss-code record where training_step returns"))

@@ -420,6 +420,14 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         raise
 
 
+def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
+    result = wrapped(*args, **kwargs)
+    if T.tape is not None and _guard.current(FEATURE) is not None and not T.eager:
+        end_tape()
+    return result
+
+
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
     if g is not None and not T.replaying:
