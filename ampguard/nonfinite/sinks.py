@@ -100,11 +100,6 @@ class Pending:
         self.params = params  # gradient and parameter sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
 
-    @property
-    def forward(self) -> bool:
-        """Made by a forward or backward (not by a step): a replay of the window can explain it."""
-        return self.params is None or self.sink.startswith("gradients")
-
 
 class _Thread(threading.local):
     def __init__(self) -> None:
