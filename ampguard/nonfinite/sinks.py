@@ -84,18 +84,16 @@ class TapeOp:
 class Pending:
     """A sink status waiting for the next shared read."""
 
-    __slots__ = ("call", "guard", "key", "nan_only", "optimizer", "params", "sink", "status", "tensor", "tensors")
+    __slots__ = ("call", "guard", "key", "nan_only", "optimizer", "params", "sink", "tensor", "tensors")
 
-    def __init__(self, guard: Any, sink: str, nan_only: bool, status: Any, tensor: Any = None, call: Any = None,
-                 params: list | None = None, optimizer: Any = None, key: Any = None,
-                 tensors: list | None = None) -> None:
+    def __init__(self, guard: Any, sink: str, nan_only: bool, tensors: list, tensor: Any = None, call: Any = None,
+                 params: list | None = None, optimizer: Any = None, key: Any = None) -> None:
         self.key = key  # which output of the call (a position or a dict key)
         self.guard = guard
         self.sink = sink
         self.nan_only = nan_only
-        self.status = status  # an on-device status taken now (outputs, which may be freed before the read)...
-        self.tensors = tensors  # ...or the tensors whose statuses the read takes, all in one kernel
-        self.tensor = tensor  # the sink tensor: strong for the (small) loss, a weakref for outputs
+        self.tensors = tensors  # whose statuses the read takes, all pending sinks in one kernel
+        self.tensor = tensor  # the sink tensor (the loss, or an output), for the error message
         self.call = call  # the Call whose output this is
         self.params = params  # gradient and parameter sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
@@ -109,6 +107,7 @@ class _Thread(threading.local):
         self.pending: list[Pending] = []
         self.window: list = []  # Calls and TapeOps since the last read, in order
         self.losses: list = []  # loss tensors given to backward since the last read
+        self.scaled: dict[int, tuple] = {}  # id(scaled loss) -> (weakref, loss): its backward is that loss's sink
         self.backward_since_read = False
         self.tape: Any = None  # the loss-code recorder, while it is on torch's mode stack
         self.taping = False  # record into the window (off while paused or full)
@@ -128,17 +127,15 @@ def status(tensor: Any) -> Any:
     return _torch.linalg.vector_norm(t, float("inf"), dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
 
 
-def _statuses(tensors: list, eager: list) -> Any:
-    """One 1-D tensor: the inf-norm of each of ``tensors`` (one foreach kernel), then the ``eager`` statuses."""
+def _statuses(tensors: list) -> Any:
+    """One 1-D tensor: the inf-norm of each of ``tensors``, in one foreach kernel (float64 if any is)."""
     torch = _torch
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) or \
-        any(t.dtype == torch.float64 for t in eager) else torch.float32
-    norms = list(torch._foreach_norm([t.detach() for t in tensors], float("inf"), dtype=wide)) if tensors else []
-    parts = norms + [e if e.dtype == wide else e.to(wide) for e in eager]
-    device = parts[0].device
-    if any(n.device != device for n in parts):
-        parts = [n.to(device) for n in parts]
-    return torch.stack(parts)
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"), dtype=wide)
+    device = norms[0].device
+    if any(n.device != device for n in norms):
+        norms = [n.to(device) for n in norms]
+    return torch.stack(norms)
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -189,8 +186,8 @@ def _in_worker() -> bool:
 
 
 def _outside_normal_path() -> bool:
-    """Inside a compiled graph, a backward (checkpoint re-runs), a replay or a DataLoader worker."""
-    return _is_compiling() or T.replaying > 0 or _graph_task_id() != -1 or _in_worker()
+    """Inside a backward (a checkpoint's re-run) or a DataLoader worker; compiling and replays are checked first."""
+    return _graph_task_id() != -1 or _in_worker()
 
 
 # -- capture ---------------------------------------------------------------------------------
@@ -292,7 +289,7 @@ def forward_post(module: Any, args: Any, *rest: Any) -> None:
     for o, k in outputs:
         # held until the read: its status is taken there, in one kernel with the others
         where = f"output of module '{name}'" + (f" (output {k!r})" if len(outputs) > 1 else "")
-        T.pending.append(Pending(g, where, True, None, o, call, key=k, tensors=[o]))
+        T.pending.append(Pending(g, where, True, [o], o, call, key=k))
     known = roots(g)
     key = id(module)
     if key not in known:
@@ -385,7 +382,7 @@ def end_tape() -> None:
 
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
-    T.pending.append(Pending(g, "loss", False, None, loss, tensors=[loss]))
+    T.pending.append(Pending(g, "loss", False, [loss], loss))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -435,17 +432,14 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         if isinstance(loss, _torch.Tensor) and isinstance(out, _torch.Tensor) and loss.is_floating_point():
             add_loss(g, loss)
             T.losses.append(loss)
-            _SCALED[id(out)] = (weakref.ref(out), loss)  # backward() of it is this sink, not a second one
+            T.scaled[id(out)] = (weakref.ref(out), loss)  # backward() of it is this sink, not a second one
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return out
 
 
-_SCALED: dict[int, tuple] = {}  # id(scaled loss) -> (weakref, loss): backward of it is the loss sink already
-
-
 def scaled_loss(tensor: Any) -> Any:
-    entry = _SCALED.get(id(tensor))
+    entry = T.scaled.get(id(tensor))
     return entry[1] if entry is not None and entry[0]() is tensor else None
 
 
@@ -458,8 +452,8 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     params = [p for p in params_of(optimizer)
               if p.grad is not None and p.grad.is_floating_point() and p.grad.numel() and watched(g, p.grad)]
     if params:
-        T.pending.append(Pending(g, f"gradients of {g.name_of(optimizer)}", False, None, params=params,
-                                 optimizer=weakref.ref(optimizer), tensors=[p.grad for p in params]))
+        T.pending.append(Pending(g, f"gradients of {g.name_of(optimizer)}", False, [p.grad for p in params],
+                                 params=params, optimizer=weakref.ref(optimizer)))
 
 
 @fail_safe(FEATURE)
@@ -516,8 +510,8 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if params:
         # Parameters do not move before the next read (a step's pre-hook, its closure, update(), the
         # next forward), so their statuses are taken there, in the read's one kernel.
-        T.pending.append(Pending(g, f"parameters of {g.name_of(optimizer)}", False, None, params=params,
-                                 optimizer=weakref.ref(optimizer), tensors=params))
+        T.pending.append(Pending(g, f"parameters of {g.name_of(optimizer)}", False, params, params=params,
+                                 optimizer=weakref.ref(optimizer)))
         if g.options.trace == "eager":
             check()
 
@@ -530,9 +524,7 @@ def _collect() -> list:
         return []
     if any(p.guard is not g for p in T.pending):
         T.pending = [p for p in T.pending if p.guard is g]
-    lazy = [t for p in T.pending if p.status is None for t in p.tensors]
-    eager = [p.status for p in T.pending if p.status is not None]
-    return [_statuses(lazy, eager)]
+    return [_statuses([t for p in T.pending for t in p.tensors])]
 
 
 def _consume(values: list[float]) -> None:
@@ -540,15 +532,11 @@ def _consume(values: list[float]) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
     pending, T.pending = T.pending, []
-    lazy_at, eager_at = 0, sum(len(p.tensors) for p in pending if p.status is None)
+    at = 0
     failed = None
     for p in pending:
-        if p.status is None:
-            mine = values[lazy_at:lazy_at + len(p.tensors)]
-            lazy_at += len(mine)
-        else:
-            mine = values[eager_at:eager_at + 1]
-            eager_at += 1
+        mine = values[at:at + len(p.tensors)]
+        at += len(mine)
         if failed is None and any(v != v or (v == math.inf and not p.nan_only) for v in mine):
             failed = p
     if failed is None:
@@ -562,7 +550,7 @@ def _clear_window() -> None:
     T.window = []
     T.losses = []
     T.backward_since_read = False
-    _SCALED.clear()
+    T.scaled = {}
 
 
 _sync.participate(FEATURE, _collect, _consume)
