@@ -72,24 +72,23 @@ class _StepInjector(wrapt.ObjectProxy):
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         hook_closure = self._self_closure
+        injected = None
         if closure is None:
             # the user's line: past Lightning's own frames when the override called super().optimizer_step()
             site = user_frames(sys._getframe(1), limit=1, budget=16)
             code, line = site[0] if site else (sys._getframe(1).f_code, sys._getframe(1).f_lineno)
             case = "ran-then-step" if hook_closure._self_fresh else "step-without-closure"
-            ran_before = hook_closure._self_ran
-            hook_closure._self_in_step += 1
-            try:
-                return self.__wrapped__.step(closure=hook_closure, **kwargs)
-            finally:
-                hook_closure._self_in_step -= 1
-                if case == "ran-then-step" or (hook_closure._self_ran and not ran_before):
-                    self._self_injected.append((case, code.co_filename, line))  # only what really happened
+            injected = (case, code.co_filename, line, hook_closure._self_ran)
+            closure = hook_closure
         hook_closure._self_in_step += 1
         try:
             return self.__wrapped__.step(closure=closure, **kwargs)
         finally:
             hook_closure._self_in_step -= 1
+            if injected is not None:
+                case, filename, line, ran_before = injected
+                if case == "ran-then-step" or (hook_closure._self_ran and not ran_before):
+                    self._self_injected.append((case, filename, line))  # only what really happened
 
 
 def _slot(args: list, kwargs: dict, position: int, name: str) -> tuple[Any, Any] | None:

@@ -30,14 +30,9 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     window, losses = T.window, T.losses
     T.pending = [q for q in T.pending if q.guard is not g]
     sinks._clear_window()
-    key = None
-    if g.options.nonfinite == "warn":
-        module = p.call.module if p.call is not None else None
-        key = (p.sink, type(module) if module is not None else None)
-        warned = g.feature_state("nonfinite_warned", set)
-        if key in warned:
-            return  # warn mode replays once per origin site
-        warned.add(key)
+    module = p.call.module if p.call is not None else None
+    if not _first_time(g, (p.sink, type(module) if module is not None else None)):
+        return  # warn mode replays once per sink and module
     try:
         error = build(g, p, window, losses)
     except (AmpGuardError, AmpGuardWarning):
@@ -47,6 +42,17 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
     emit(g, error)
+
+
+def _first_time(g: _guard.Guard, key: Any) -> bool:
+    """Raise mode: always. Warn mode: once per key (a sink and its module, or an eager op's site)."""
+    if g.options.nonfinite != "warn":
+        return True
+    warned = g.feature_state("nonfinite_warned", set)
+    if key in warned:
+        return False
+    warned.add(key)
+    return True
 
 
 def emit(g: _guard.Guard, error: NonFiniteError) -> None:
@@ -341,11 +347,7 @@ def check_eager(op: sinks.TapeOp, outs: list) -> None:
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
     lines.append(_CAUSES)
     sink = "the output of this op"
-    if g.options.nonfinite == "warn":
-        warned = g.feature_state("nonfinite_warned", set)
-        key = (sink, own)
-        if key in warned:
-            return
-        warned.add(key)
+    if not _first_time(g, (sink, own)):
+        return
     emit(g, NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=label, module=module,
                            origin=report.stack_summary(user) if user else None, chain=[label]))
