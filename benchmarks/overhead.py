@@ -8,6 +8,12 @@ replay (the failure path) on the GPT-2-style model.
     python benchmarks/overhead.py --only tiny,lightning --reps 9
     python benchmarks/overhead.py --quick              # seconds: a smoke run for the tests
     python benchmarks/overhead.py --only gpt2-small    # GPU: GPT-2-small size, fp16 autocast + GradScaler
+    python benchmarks/overhead.py --only mlp,conv      # the parameter-heavy workloads
+    python benchmarks/overhead.py --only scaling       # ms per step against parameters, us per module call
+    python benchmarks/overhead.py --only memory        # peak memory of a step whose logits the user drops
+
+Timings use one torch thread on CPU (``--threads``), as the figures in the README do: with
+several, the machine's other load decides more of the spread than ampguard does.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -135,6 +144,48 @@ def gpt(layers=4, d=256, heads=4, batch=8, seq=128, vocab=8192, amp=False):
     return step
 
 
+def wide_mlp(width=2048, batch=8):
+    """Parameter-heavy, little compute per parameter: 3 x Linear(2048, 2048), SGD with momentum (12.6M)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, width)).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(batch, width, device=DEVICE)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def conv_net(width=384, batch=8, size=32):
+    """ResNet-like: conv-BN-ReLU stages, about 8M parameters at width 384, 32x32 inputs."""
+    torch.manual_seed(0)
+    nn = torch.nn
+
+    def stage(cin, cout, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                             nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+    w = width
+    model = nn.Sequential(nn.Conv2d(3, w // 4, 3, 1, 1), stage(w // 4, w // 2, 2), stage(w // 2, w, 2),
+                          stage(w, w, 2), stage(w, w, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(w, 10)).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(batch, 3, size, size, device=DEVICE)
+    y = torch.randint(0, 10, (batch,), device=DEVICE)
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.params = sum(p.numel() for p in model.parameters())
+    return step
+
+
 def lightning_fit():
     """Trainer.fit of one Linear, batch 2: the time per step between Lightning's batch hooks."""
     import logging
@@ -237,17 +288,84 @@ def replay_time(step, reps=3):
     return statistics.median(out)
 
 
+# -- scaling ----------------------------------------------------------------------------------------
+def scaling(reps, quick):
+    """ms added per step as parameters grow; us added per module call as calls per step grow."""
+    print("\nscaling: default guard against plain, interleaved (median of reps)")
+    print("  parameters   plain ms/step   added ms/step   ratio")
+    widths = [(512, "1.1M"), (1024, "4.2M"), (2048, "16.8M"), (4096, "50.3M")] if not quick else [(64, "17k")]
+    for width, label in widths:
+        step = wide_mlp(width, batch=8)
+        m = measure(step, ["plain", "install() (default)"], reps, 2 if quick else 5)
+        plain, guarded = m["plain"], m["install() (default)"]
+        print(f"  {label:>10s}   {plain * 1e3:13.2f}   {(guarded - plain) * 1e3:13.2f}   {guarded / plain:5.2f}x")
+    print("  module calls   plain us/call   added us/call   ratio")
+    for calls in ([10, 100, 1000] if not quick else [10]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 4))
+                                      for _ in range(calls // 3)), torch.nn.Identity()).to(DEVICE)
+        n = sum(1 for _ in model.modules())  # every module is called once per forward
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(2, 4, device=DEVICE)
+
+        def step(model=model, opt=opt, x=x):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
+        plain, guarded = m["plain"], m["install() (default)"]
+        print(f"  {n:12d}   {plain / n * 1e6:13.2f}   {(guarded - plain) / n * 1e6:13.2f}   {guarded / plain:5.2f}x")
+
+
+# -- memory -----------------------------------------------------------------------------------------
+_MEMORY_STEP = """
+import resource, sys, contextlib, torch, ampguard
+torch.manual_seed(0)
+rows, vocab = int(sys.argv[2]), int(sys.argv[3])
+head = torch.nn.Linear(256, vocab)
+opt = torch.optim.SGD(head.parameters(), lr=1e-3)
+x = torch.randn(rows, 256)
+y = torch.randint(0, vocab, (rows,))
+with (ampguard.guard() if sys.argv[1] == "guard" else contextlib.nullcontext()):
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(head(x), y).backward()  # the logits are dropped at once
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def memory(quick):
+    """Peak memory of a step whose logits (rows x vocab) the user never keeps, plain and guarded."""
+    rows, vocab = (64, 1000) if quick else (2048, 50000)
+    print(f"\nmemory: Linear(256, {vocab}) on {rows} rows, logits dropped at once "
+          f"({rows * vocab * 4 / 2**20:.0f} MiB); peak RSS of a fresh process, median of 3")
+    peaks = {}
+    for _ in range(1 if quick else 3):
+        for config in ("plain", "guard"):
+            out = subprocess.run([sys.executable, "-c", _MEMORY_STEP, config, str(rows), str(vocab)],
+                                 capture_output=True, text=True, check=True, env={**os.environ, "AMPGUARD": "0"})
+            peaks.setdefault(config, []).append(float(out.stdout.split()[-1]))
+    plain, guarded = statistics.median(peaks["plain"]), statistics.median(peaks["guard"])
+    print(f"  plain {plain:8.0f} MiB")
+    print(f"  guard {guarded:8.0f} MiB {guarded / plain:7.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="tiny,lightning,encoder,gpt2")
+    parser.add_argument("--only", default="tiny,lightning,mlp,conv,encoder,gpt2")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
     args = parser.parse_args()
     only = set(args.only.split(","))
     reps = 1 if args.quick else args.reps
     q = args.quick
-    torch.set_num_threads(1 if DEVICE == "cpu" and "tiny" in only and len(only) == 1 else torch.get_num_threads())
-    print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {DEVICE}, {reps} interleaved reps")
+    if DEVICE == "cpu":
+        torch.set_num_threads(args.threads)
+    print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {DEVICE}, {reps} interleaved reps, "
+          f"{torch.get_num_threads()} torch thread(s)")
     every = list(CONFIGS)
     if "tiny" in only:
         show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)",
@@ -256,6 +374,13 @@ def main() -> None:
         show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)",
              measure_fit(lightning_fit(), every[:4], reps,
                          12 if q else 120))
+    if "mlp" in only:
+        show("wide MLP, 3 x Linear(2048, 2048), batch 8, SGD momentum (12.6M parameters)",
+             measure(wide_mlp(64) if q else wide_mlp(), every, reps, 2 if q else 10))
+    if "conv" in only:
+        step = conv_net(16, 2, 16) if q else conv_net()
+        show(f"ResNet-like conv net ({step.params / 1e6:.1f}M parameters), 32x32, batch 8",
+             measure(step, every, reps, 2 if q else 5))
     if "encoder" in only:
         show("nn.TransformerEncoder 2 x d128, batch 8 x 64",
              measure(encoder(2, 16) if q else encoder(), every, reps, 2 if q else 10))
@@ -263,6 +388,10 @@ def main() -> None:
         step = gpt(layers=1, d=64, seq=32, vocab=256) if q else gpt()
         show("GPT-2 style, 4 layers, d=256, seq 128, batch 8", measure(step, every, reps, 1 if q else 3))
         print(f"  one replay on failure (NaN in blocks.1.mlp): {replay_time(step) * 1e3:.0f} ms")
+    if "scaling" in only:
+        scaling(reps, q)
+    if "memory" in only:
+        memory(q)
     if "gpt2-small" in only:
         step = gpt(layers=12, d=768, heads=12, batch=8, seq=1024, vocab=50304, amp=True)
         show("GPT-2 small (12 x 768, seq 1024, batch 8), fp16 autocast + GradScaler",

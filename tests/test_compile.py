@@ -133,7 +133,7 @@ def test_nan_inside_a_compiled_module_names_the_op_inside_it():
         opt.step()
     err = info.value
     assert err.op == "torch.sqrt" and err.kind == "nan" and err.module == "Bad"
-    assert err.sink == "output of module 'Bad'"
+    assert err.sink == "loss"
     lines, start = inspect.getsourcelines(test_nan_inside_a_compiled_module_names_the_op_inside_it)
     assert err.origin[-2].lineno == start + next(i for i, line in enumerate(lines) if "COMPILED CALL" in line)
     assert err.origin[-1].name == "forward" and "torch.sqrt" in err.origin[-1].line
@@ -157,7 +157,7 @@ def test_nan_inside_a_compiled_submodule_of_an_eager_model():
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
     assert info.value.op == "torch.sqrt" and info.value.module == "inner"
-    assert info.value.chain[-1] == "Tensor.mul"
+    assert info.value.chain[-2:] == ["Tensor.mul", "Tensor.sum"]
 
 
 def test_a_grad_scaler_loop_on_a_compiled_model_reports_a_forward_nan():

@@ -50,7 +50,9 @@ FAULTS = [
     ("ampguard.schedulers._remember_step", {"schedulers"}),
     ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
-    ("ampguard.nonfinite.sinks._statuses", {"nonfinite"}),
+    ("ampguard.nonfinite.sinks._norms", {"nonfinite"}),
+    ("ampguard.nonfinite.sinks.enter", {"nonfinite"}),  # the outermost call's start and end
+    ("ampguard.nonfinite.sinks.exit", {"nonfinite"}),
     ("ampguard.nonfinite.sinks._consume", {"nonfinite"}),
     ("ampguard.lints._check_clip", {"lint"}),
     ("ampguard.lints._state", {"lint"}),

@@ -1,9 +1,12 @@
 """NaN/Inf detection: cheap sinks on the normal path, a replay on failure to find the origin.
 
-- ``sinks``: what runs every step. Four sinks (the loss, each outermost module output, gradients
-  before a step without a GradScaler, parameters after a step), one on-device status each, read
-  in the one shared host-device read per step. Per outermost module call, O(1) Python state for
-  a replay; between the model's output and ``backward()``, a record of the loss code's torch calls.
+- ``sinks``: what runs every step. Three sinks (the loss, outermost module outputs no loss covers,
+  gradients before a step without a GradScaler), each a status riding a reduction the loop makes
+  anyway or one 2-norm pass, read in the one shared host-device read per step. Per outermost
+  module call, O(1) Python state for a replay and no tensor held; between the model's output and
+  ``backward()``, a record of the loss code's torch calls.
+- ``outermost``: finds the outermost module call with one global pre-hook that steps aside
+  during the call, so nested module calls stay on torch's fast path.
 - ``replay``: on a failed sink, re-run the window of calls and loss code op by op (aten ops,
   inside functionals and compiled modules), leaving buffers, RNG state and parameters as they were.
 - ``failure`` and ``report``: walk back to the origin and write the error.
@@ -19,7 +22,7 @@ import warnings
 from typing import Any
 
 from .._patching import REGISTRY, Switch, Target
-from . import failure, report, sinks
+from . import failure, outermost, report, sinks
 from .sinks import FEATURE, T, check
 
 sinks._failure = failure  # the failure path is loaded with the package, never imported lazily mid-run
@@ -33,7 +36,6 @@ _COMPILED_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are glob
 
 def _switch_hooks() -> Any:
     import torch
-    from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
     sinks._torch = torch
@@ -41,14 +43,16 @@ def _switch_hooks() -> Any:
     sinks._graph_task_id = torch._C._current_graph_task_id
     sinks._any_autocast = torch._C._is_any_autocast_enabled
     handles: list = []
+    modules_off = None
     try:
-        handles.append(nn_module.register_module_forward_pre_hook(sinks.forward_pre))
-        handles.append(nn_module.register_module_forward_hook(sinks.forward_post, with_kwargs=True, always_call=True))
+        modules_off = outermost.switch_on(_enter, _exit, sinks.nested)
         handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
         handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))
     except BaseException:
         for h in handles:
             h.remove()
+        if modules_off is not None:
+            modules_off()
         raise
     warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
     ignore = warnings.filters[0]
@@ -56,8 +60,8 @@ def _switch_hooks() -> Any:
     def off() -> None:
         for h in handles:
             h.remove()
-        # torch's handle forgets the with_kwargs mark of a global forward hook: one entry per install
-        getattr(nn_module, "_global_forward_hooks_with_kwargs", {}).pop(handles[1].id, None)
+        modules_off()
+        _eager_names_off()
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
         with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already
@@ -67,12 +71,48 @@ def _switch_hooks() -> Any:
     return off
 
 
+# trace='eager' names the module of every op, so it needs the end of every nested call: a global
+# forward hook, on only while an eager-mode call is open (it puts every module call on the slow path).
+_eager_names: Any = None
+
+
+def _exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    _eager_names_off()
+    sinks.exit(module, args, kwargs, output)
+
+
+def _enter(module: Any, frame: Any) -> int:
+    global _eager_names
+    mode = sinks.enter(module, frame)
+    if mode == outermost.OUTERMOST_KEEP_HOOKS and _eager_names is None:
+        from torch.nn.modules import module as nn_module
+
+        _eager_names = nn_module.register_module_forward_hook(_eager_pop, always_call=True)
+    return mode
+
+
+def _eager_pop(module: Any, args: Any, output: Any) -> None:
+    stack = sinks.T.eager_stack
+    if stack and stack[-1] is module and len(stack) > 1:
+        stack.pop()
+
+
+def _eager_names_off() -> None:
+    global _eager_names
+    if _eager_names is not None:
+        _eager_names.remove()
+        _eager_names = None
+
+
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
                            "module and optimizer hooks: record outermost calls, check the sinks at the step"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises"))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,
                     "the loss sink under AMP"))
+for _module in ("torch.nn.utils.clip_grad", "torch.nn.utils"):
+    REGISTRY.add(Target("torch", _module, "clip_grad_norm_", sinks._clip_grad_norm,
+                        "the gradient sink rides the total norm the loop computes anyway"))
 for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
                         sinks._training_step, "end the loss-code record where training_step returns"))

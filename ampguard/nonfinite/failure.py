@@ -65,9 +65,7 @@ def emit(g: _guard.Guard, error: NonFiniteError) -> None:
 
 def build(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
     if p.params is not None:
-        if p.sink.startswith("gradients"):
-            return _gradient_error(g, p, window, losses)
-        return _parameter_error(g, p)
+        return _gradient_error(g, p, window, losses)
     return _forward_error(g, p, window)
 
 
@@ -79,8 +77,7 @@ def _sink_tensor(p: Pending) -> Any:
 def _plain(p: Pending, lines: list[str], kind: str | None = None) -> NonFiniteError:
     tensor = _sink_tensor(p)
     if kind is None:
-        kind = report.kind_of(float(sinks.status(tensor))) if tensor is not None else None
-        kind = kind or "nan"
+        kind = (replay.primary(replay.kinds(tensor)) if tensor is not None else None) or "nan"
     head = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}."]
     tail = [f"  {p.sink}: {report.describe_tensor(tensor)}", _CAUSES]
     return NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=p.sink)
@@ -94,7 +91,7 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
     reason = replay.unsafe(p.call) if p.call is not None else None
     if reason is not None:
         return _plain(p, [f"  No origin is known: the call was not replayed, because {reason}."])
-    if p.call is None and not _produced_in(window, original):
+    if p.call is None and (p.ref is None or p.ref.event < 0):
         return _plain(p, ["  No origin is known: the loss was not computed from a module call ampguard saw (it "
                           "checks the outermost module calls and the loss code that follows them)."])
     session = replay.Session()
@@ -104,14 +101,10 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
         return _explain(g, p, session, window, target)
 
 
-def _produced_in(window: list, tensor: Any) -> bool:
-    return tensor is not None and any(ref() is tensor for event in window for ref, _ in event.outputs)
-
-
 def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:
     if p.call is not None:
         return replay.replayed_output(session, p.call, p.key)
-    return session.mapping.get(id(original)) if original is not None else None
+    return replay.replayed_ref(session, p.ref) if p.ref is not None else None
 
 
 def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list, target: Any) -> NonFiniteError:
@@ -171,8 +164,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         what = _leaf_name(session, names, tensor)
         lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): {what}, an input of "
                      f"{label}{in_module} at\n    {report.where(own)}")
-        lines.append("  No replayed op produced that input: it is the data, a parameter or buffer, or the output "
-                     "of code ampguard did not replay.")
+        made = _made_by_a_step(g, tensor)
+        lines.extend(made or ["  No replayed op produced that input: it is the data, a parameter or buffer, or "
+                              "the output of code ampguard did not replay."])
         if tensor is not None:
             lines.append(f"  input: {report.describe_tensor(tensor)}")
         op = module = None
@@ -216,9 +210,6 @@ def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
     name = names.get(id(tensor))
     if name is not None:
         return name
-    reason = session.unreplayed.get(id(tensor))
-    if reason is not None:
-        return f"the output of a call that was not replayed ({reason})"
     if id(tensor) in session.cloned:
         return f"{session.cloned[id(tensor)]} (the data, or a tensor made by code ampguard did not record)"
     return "a tensor made outside the replayed calls"
@@ -264,11 +255,11 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, 
     session = replay.Session()
     with replay.untouched(window), replay.anomaly_metadata():
         replay.run_window(session, window)
-        loss = next((session.mapping[id(t)] for t in reversed(losses) if id(t) in session.mapping), None)
+        loss = next((t for ref in reversed(losses) if (t := replay.replayed_ref(session, ref)) is not None), None)
         how = []
         if loss is None or loss.grad_fn is None:
             call = next(c for c in reversed(window) if type(c) is Call and c.grad)
-            outs = [session.mapping.get(id(ref())) for ref, _ in call.outputs if ref() is not None]
+            outs = [replay.replayed_output(session, call, k) for _, k in call.outputs]
             outs = [o for o in outs if o is not None and o.grad_fn is not None]
             if not outs:
                 return None, None, ["  No origin is known: the replayed forward made no graph."]
@@ -289,7 +280,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, 
     return forward, report.stack_summary(user) if user else None, [*lines, *how]
 
 
-# -- parameter sinks -------------------------------------------------------------------------
+# -- parameters a step made non-finite -------------------------------------------------------
 def _param_name(names: dict, params: list, param: Any) -> str:
     """Its dotted name in the model that owns it, or its place in the optimizer if no model call was seen."""
     if param is None:
@@ -297,22 +288,20 @@ def _param_name(names: dict, params: list, param: Any) -> str:
     return names.get(id(param)) or f"parameter '#{next(i for i, q in enumerate(params) if q is param)}'"
 
 
-def _parameter_error(g: _guard.Guard, p: Pending) -> NonFiniteError:
-    names = report.tensor_names(_roots(g, []))
-    param, tensor = _first_bad(p.params, grads=False)
-    name = _param_name(names, p.params, param)
-    kind = replay.primary(replay.kinds(tensor)) if tensor is not None else "nan"
-    sink = name
-    lines = [f"ampguard: {report.kind_word(kind)} in {name} after the optimizer step.",
-             f"  {name}: {report.describe_tensor(tensor)}"]
-    optimizer = p.optimizer() if p.optimizer is not None else None
-    hint = eps_message(optimizer) if optimizer is not None else ""
+def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
+    """A parameter that entered non-finite after an optimizer step of this thread: that step made it."""
+    if not isinstance(tensor, sinks._torch.nn.Parameter):
+        return []
+    optimizer = sinks.stepped_optimizer_of(tensor)
+    if optimizer is None:
+        return ["  No optimizer step of this run touched it: it was loaded or set that way."]
+    hint = eps_message(optimizer)
+    lines = [f"  The optimizer step of {g.name_of(optimizer)} made it: its gradients were finite at that step "
+             "(ampguard checks them before every step, or GradScaler let the step through), so the step "
+             "itself did it: a learning rate that diverges, an eps that rounds to 0, or parameters set by hand."]
     if hint:
         lines.append("  " + hint[0].upper() + hint[1:])
-    else:
-        lines.append("  The gradients were finite (or a GradScaler let the step through), so the step itself made "
-                     "it: a learning rate that diverges, an eps that rounds to 0, or parameters set by hand.")
-    return NonFiniteError("\n".join(lines), kind=kind or "nan", sink=sink)
+    return lines
 
 
 # -- eager -----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import sinks
-from .sinks import Call, T, TapeOp
+from .sinks import Call, Ref, T, TapeOp
 
 FRAMES = 40  # user frames kept per replayed op
 
@@ -62,10 +62,10 @@ class Session:
         self.fn: Any = None  # the top-level torch function running now
         self.frames: tuple | None = None  # recorded frames of the loss-code op being replayed
         self.stop: Any = None  # the code object at which frame walks stop (the replay driver)
-        self.mapping: dict[int, Any] = {}  # id(original tensor) -> its replayed counterpart
+        self.mapping: dict[int, Any] = {}  # id(input tensor from outside the window) -> its copy
         self.keep: list = []  # originals whose ids are keys of mapping, kept alive while it is used
-        self.unreplayed: dict[int, str] = {}  # id(original output) -> why its call was not re-run
-        self.outputs: dict[tuple[int, Any], Any] = {}  # (id(Call), key) -> replayed output, for freed originals
+        self.unreplayed: dict[int, str] = {}  # window event index -> why it was not re-run
+        self.replayed: dict[tuple[int, Any], Any] = {}  # (event index, key) -> the replayed output
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
@@ -214,11 +214,14 @@ def untouched(window: list) -> Iterator[None]:
         hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
     T.replaying += 1
     outer_stack, T.replay_stack = T.replay_stack, []
+    names = _names_hooks()
     try:
         with stance, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a replay repeats warnings the user has seen already
             yield
     finally:
+        for handle in names:
+            handle.remove()
         T.replaying -= 1
         T.replay_stack = outer_stack
         with torch.no_grad():
@@ -231,8 +234,37 @@ def untouched(window: list) -> Iterator[None]:
                 g.set_state(state)
 
 
+def _names_hooks() -> list:
+    """Global hooks for the replay's module stack (the normal path keeps none during a call)."""
+    from torch.nn.modules import module as nn_module
+
+    def push(module: Any, args: Any) -> None:
+        T.replay_stack.append(module)
+
+    def pop(module: Any, args: Any, output: Any) -> None:
+        if T.replay_stack and T.replay_stack[-1] is module:
+            T.replay_stack.pop()
+
+    return [nn_module.register_module_forward_pre_hook(push),
+            nn_module.register_module_forward_hook(pop, always_call=True)]
+
+
+class Freed(Exception):
+    """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
+
+
 def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
     torch = sinks._torch
+    if isinstance(value, Ref):
+        if value.event >= 0 and (value.event, value.key) in session.replayed:
+            return session.replayed[(value.event, value.key)]
+        original = value.ref()
+        if original is None:
+            if value.event >= 0 and value.event in session.unreplayed:
+                raise Freed(f"{where} comes from a call that was not replayed "
+                            f"({session.unreplayed[value.event]})")
+            raise Freed(f"{where} was freed before the check")
+        value = original
     if isinstance(value, torch.Tensor):
         mapped = session.mapping.get(id(value))
         if mapped is not None:
@@ -282,57 +314,64 @@ def _set_rng(rng: tuple) -> None:
 
 def run_window(session: Session, window: list) -> None:
     """Re-run every call and loss-code op of the window in order, under the session's checker."""
-    torch = sinks._torch
     checker, names = _modes(session)
     session.stop = run_window.__code__
-    for event in window:
-        if type(event) is Call:
-            reason = unsafe(event)
-            if reason is not None:
-                for ref, _key in event.outputs:
-                    o = ref()
-                    if o is not None:
-                        session.unreplayed[id(o)] = reason
-                continue
-            module = getattr(event.module, "_orig_mod", event.module)
-            args, kwargs = _map_call(session, event, type(module).__name__)
-            _set_rng(event.rng)
-            grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
-            T.replay_stack = [module]
-            session.site = (event.site[0], event.site[1]) if event.site else None
-            try:
-                with grad, _autocast(event.autocast), names, checker:
-                    out = module.forward(*args, **kwargs)
-            finally:
-                T.replay_stack = []
-                session.site = None
-            _map_outputs(session, event.outputs, out)
-            for t, k in sinks.floating(out):
-                session.outputs[(id(event), k)] = t
-        else:
-            op: TapeOp = event
-            args = _map(session, op.args, True, "an input of the loss code")
-            kwargs = _map(session, op.kwargs, True, "an input of the loss code")
-            session.frames = op.frames
-            try:
-                with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
-                    out = op.func(*args, **kwargs)
-            finally:
-                session.frames = None
-            _map_outputs(session, op.outputs, out)
+    for index, event in enumerate(window):
+        try:
+            _run_event(session, event, index, checker, names)
+        except Freed as freed:
+            session.unreplayed[index] = f"{freed}: ampguard keeps no tensor alive past your last reference, so " \
+                "keep the batch referenced until the step to have it replayed"
 
 
-def _map_outputs(session: Session, outputs: list, out: Any) -> None:
-    replayed = dict((k, t) for t, k in sinks.floating(out))
-    for ref, key in outputs:
-        original = ref()
-        if original is not None and key in replayed:
-            session.mapping[id(original)] = replayed[key]
-            session.keep.append(original)
+def _run_event(session: Session, event: Any, index: int, checker: Any, names: Any) -> None:
+    torch = sinks._torch
+    if type(event) is Call:
+        reason = unsafe(event)
+        if reason is not None:
+            session.unreplayed[index] = reason
+            return
+        module = getattr(event.module, "_orig_mod", event.module)
+        args, kwargs = _map_call(session, event, type(module).__name__)
+        _set_rng(event.rng)
+        grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
+        T.replay_stack = [module]
+        session.site = (event.site[0], event.site[1]) if event.site else None
+        try:
+            with grad, _autocast(event.autocast), names, checker:
+                out = module.forward(*args, **kwargs)
+        finally:
+            T.replay_stack = []
+            session.site = None
+        _map_outputs(session, index, out)
+    else:
+        op: TapeOp = event
+        args = _map(session, op.args, True, "an input of the loss code")
+        kwargs = _map(session, op.kwargs, True, "an input of the loss code")
+        session.frames = op.frames
+        try:
+            with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
+                out = op.func(*args, **kwargs)
+        finally:
+            session.frames = None
+        _map_outputs(session, index, out)
 
 
-def replayed_output(session: Session, call: Call, key: Any) -> Any:
-    return session.outputs.get((id(call), key))
+def _map_outputs(session: Session, index: int, out: Any) -> None:
+    if isinstance(out, sinks._torch.Tensor):
+        session.replayed[(index, 0)] = out
+        return
+    for t, k in sinks.floating(out):
+        session.replayed[(index, k)] = t
+
+
+def replayed_output(session: Session, event: Any, key: Any) -> Any:
+    return session.replayed.get((event.index, key))
+
+
+def replayed_ref(session: Session, ref: Ref) -> Any:
+    """The replayed counterpart of a recorded tensor, if its event was replayed."""
+    return session.replayed.get((ref.event, ref.key)) if ref.event >= 0 else None
 
 
 # -- walking back ------------------------------------------------------------------------------

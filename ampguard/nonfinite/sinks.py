@@ -1,20 +1,28 @@
 """The normal path: sinks, and the little a replay needs if one fails.
 
-Nothing here looks inside the model. Per outermost module call it keeps O(1) Python state (a
-:class:`Call`: the module, references to its inputs, the RNG state, autocast and grad mode),
-and between the model's output and ``backward()`` it records the loss code's top-level torch
-calls (a :class:`TapeOp` each, no on-device work), so that the criterion stays attributable.
+Nothing here looks inside the model, and nothing here keeps a tensor alive. Per outermost module
+call it keeps O(1) Python state (a :class:`Call`: the module, weak references to its inputs, the
+RNG state, autocast and grad mode), and between the model's output and ``backward()`` it records
+the loss code's top-level torch calls (a :class:`TapeOp` each, weak references, no on-device
+work), so that the criterion stays attributable. A tensor argument that an earlier call of the
+window made is recorded as "output k of event i" (a :class:`Ref`), which the replay re-creates.
 
-Sinks (where a NaN/Inf is an error), each one on-device status riding the shared read of
+Sinks (where a NaN/Inf is an error), each an on-device status riding the shared read of
 ``_sync`` (GradScaler's read under AMP, otherwise one read at the optimizer step):
 
 1. the loss given to ``GradScaler.scale()`` or ``torch.autograd.backward``; NaN or +-Inf;
-2. the output of each outermost module call; NaN only (log-probabilities may be -inf);
-3. gradients at an optimizer step not driven by a GradScaler, before the step;
-4. parameters after an optimizer step.
+2. the outputs of an outermost call that no loss covers (inference, evaluation, forwards
+   without backward); NaN only (log-probabilities may be -inf). Under no_grad the status is taken
+   when the output is made; with grad, at the read, if the user still holds the output;
+3. gradients at an optimizer step not driven by a GradScaler, before the step: the total norm
+   ``clip_grad_norm_`` returned when the loop clipped, else one foreach 2-norm over them.
 
-A status is the largest magnitude (an inf-norm): it is finite exactly when every element is,
-and unlike a sum it cannot overflow for finite values in any dtype.
+A status is a 2-norm: one bandwidth pass, NaN exactly when an element is NaN (squares are never
+NaN), +Inf when an element is infinite *or* the sum of squares overflowed. An Inf status is
+re-checked exactly (``isfinite``) before anything is reported, so large finite values never raise.
+
+Parameters are not checked after a step: a parameter a step made non-finite reaches the next
+call's loss or output, which is read before another step is applied, and the replay names it.
 
 A check is read at a step, and at the latest at the next outermost call of the same module (or
 of any module after a ``backward()``), at ``guard()`` exit, at ``uninstall()`` and, under
@@ -35,6 +43,7 @@ from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
 from .._frames import user_frames
 from .._guard import DEPTH
+from . import outermost
 
 FEATURE = "nonfinite"
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
@@ -52,66 +61,95 @@ _SKIP_NAMES = frozenset({
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
+class Ref:
+    """A tensor argument of a recorded call, held weakly: output ``key`` of window event ``event``
+    (``event`` >= 0) when the window made it, so that the replay uses the replayed value; else the
+    tensor itself, while the user still holds it."""
+
+    __slots__ = ("event", "key", "ref")
+
+    def __init__(self, ref: Any, event: int, key: Any) -> None:
+        self.ref, self.event, self.key = ref, event, key
+
+
 class Call:
     """One outermost module call, as a replay needs it."""
 
-    __slots__ = ("args", "autocast", "grad", "inference", "kwargs", "module", "outputs", "rng", "site", "steps")
+    __slots__ = ("args", "autocast", "grad", "index", "inference", "kwargs", "module", "outputs", "rng", "site",
+                 "steps")
 
-    def __init__(self, module: Any, args: tuple, kwargs: dict, entry: tuple, outputs: list) -> None:
+    def __init__(self, module: Any, args: Any, kwargs: Any, entry: tuple, outputs: list) -> None:
         self.module = module
-        self.args = args
+        self.args = args  # weak: see weak()
         self.kwargs = kwargs
         self.rng, self.autocast, self.grad, self.inference, self.site, self.steps = entry
         self.outputs = outputs  # [(weakref, position)] of the floating output tensors
+        self.index = -1  # its place in the window
 
 
 class TapeOp:
     """One top-level torch call of the loss code, between the model's output and backward()."""
 
-    __slots__ = ("args", "autocast", "frames", "func", "grad", "kwargs", "outputs")
+    __slots__ = ("args", "autocast", "frames", "func", "grad", "index", "kwargs", "outputs")
 
-    def __init__(self, func: Any, args: tuple, kwargs: dict, outputs: list, frames: tuple, autocast: Any,
+    def __init__(self, func: Any, args: Any, kwargs: Any, outputs: list, frames: tuple, autocast: Any,
                  grad: bool) -> None:
         self.func = func
-        self.args = args
+        self.args = args  # weak: see weak()
         self.kwargs = kwargs
         self.outputs = outputs  # [(weakref, position)]
         self.frames = frames
         self.autocast = autocast
         self.grad = grad
+        self.index = -1
 
 
 class Pending:
-    """A sink status waiting for the next shared read."""
+    """A sink waiting for the next shared read."""
 
-    __slots__ = ("call", "guard", "key", "nan_only", "optimizer", "params", "sink", "tensor", "tensors")
+    __slots__ = ("_sink", "call", "covered", "guard", "key", "nan_only", "optimizer", "params", "parts", "ref",
+                 "status", "tensor")
 
-    def __init__(self, guard: Any, sink: str, nan_only: bool, tensors: list, tensor: Any = None, call: Any = None,
-                 params: list | None = None, optimizer: Any = None, key: Any = None) -> None:
-        self.key = key  # which output of the call (a position or a dict key)
+    def __init__(self, guard: Any, sink: Any, nan_only: bool, parts: list, tensor: Any = None, call: Any = None,
+                 params: list | None = None, optimizer: Any = None, key: Any = None, status: Any = None,
+                 ref: Any = None, covered: bool = False) -> None:
         self.guard = guard
-        self.sink = sink
+        self._sink = sink  # a string, or a callable that makes it (only a failure needs the words)
         self.nan_only = nan_only
-        self.tensors = tensors  # whose statuses the read takes, all pending sinks in one kernel
-        self.tensor = tensor  # the sink tensor (the loss, or an output), for the error message
+        self.parts = parts  # tensors (or weakrefs to them) whose 2-norms the read takes, in one kernel
+        self.status = status  # a status taken when the tensor was made (outputs under no_grad)
+        self.tensor = tensor  # the sink tensor or a weakref to it, for the error message
         self.call = call  # the Call whose output this is
-        self.params = params  # gradient and parameter sinks: the parameters checked
+        self.key = key  # which output of the call (a position or a dict key)
+        self.params = params  # gradient sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
+        self.ref = ref  # a loss: the Ref through which the replay finds it
+        self.covered = covered  # an output a later loss covers: dropped when a loss sink is added
+
+    @property
+    def sink(self) -> str:
+        if not isinstance(self._sink, str):
+            self._sink = self._sink()
+        return self._sink
 
 
 class _Thread(threading.local):
     def __init__(self) -> None:
-        self.root: Any = None  # the open outermost user module call (inside DDP/FSDP/Lightning wrappers)
-        self.root_nesting = 0  # calls of that same module inside it
         self.entry: tuple | None = None  # what the open outermost call captured on entry
         self.pending: list[Pending] = []
+        self.reading: list[tuple[Pending, list[int]]] = []  # the pendings the read in progress took
         self.window: list = []  # Calls and TapeOps since the last read, in order
-        self.losses: list = []  # loss tensors given to backward since the last read
-        self.scaled: dict[int, tuple] = {}  # id(scaled loss) -> (weakref, loss): its backward is that loss's sink
+        self.produced: dict[int, tuple] = {}  # id(tensor) -> (weakref, event index, key) for window outputs
+        self.losses: list = []  # Refs of the losses given to backward since the last read
+        self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
+        self.backwards = 0  # backward() calls in this thread: a clip before the latest one is stale
+        self.clip: tuple | None = None  # (total norm, ids of the clipped parameters, backwards at the clip)
         self.tape: Any = None  # the loss-code recorder, while it is on torch's mode stack
         self.taping = False  # record into the window (off while paused or full)
+        self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
+        self.stepped: dict[int, tuple] = {}  # id(optimizer) -> (weakref, steps at its latest step)
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
         self.replay_stack: list = []  # modules open during a replay, for names
         self.eager = False  # trace='eager': every recorded op is checked as it runs
@@ -121,21 +159,23 @@ class _Thread(threading.local):
 T = _Thread()
 
 
-def status(tensor: Any) -> Any:
-    """0-d on-device value, finite exactly when every element is; never overflows for finite values."""
+def norm(tensor: Any) -> Any:
+    """The 2-norm status of one tensor, in float32 (float64 for float64): one bandwidth pass."""
     t = tensor.detach()
-    return _torch.linalg.vector_norm(t, float("inf"), dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
+    return _torch.linalg.vector_norm(t, 2, dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
 
 
-def _statuses(tensors: list) -> Any:
-    """One 1-D tensor: the inf-norm of each of ``tensors``, in one foreach kernel (float64 if any is)."""
+def _norms(tensors: list) -> list:
+    """The 2-norm of each of ``tensors`` in one foreach kernel (float64 if any is float64)."""
     torch = _torch
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"), dtype=wide)
-    device = norms[0].device
-    if any(n.device != device for n in norms):
-        norms = [n.to(device) for n in norms]
-    return torch.stack(norms)
+    return list(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=wide))
+
+
+def finite(tensor: Any) -> bool:
+    """The exact answer, for the failure path only (reads the device)."""
+    with _torch._C.DisableTorchFunction():
+        return bool(_torch.isfinite(tensor.detach()).all())
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -155,6 +195,28 @@ def floating(value: Any) -> list:
     else:
         return []
     return [(v, k) for k, v in items if isinstance(v, tensor) and v.is_floating_point() and v.numel()]
+
+
+def weak(value: Any, data: bool) -> Any:
+    """``value`` with the tensors in its tuples, lists and dicts replaced by :class:`Ref` s.
+
+    With ``data``, a tensor without autograd history that the window did not make (a batch, a
+    target, a mask) is kept as it is, until the read: a replay needs it, its size is the batch's,
+    and autograd usually holds it through backward anyway. Every other tensor is held weakly.
+    """
+    if isinstance(value, _torch.Tensor):
+        made = T.produced.get(id(value))
+        if made is not None and made[0]() is value:
+            return Ref(made[0], made[1], made[2])
+        if data and value.grad_fn is None and not value.requires_grad:
+            return value
+        return Ref(weakref.ref(value), -1, None)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(weak(v, data) for v in value) if value else value
+    if kind is dict:
+        return {k: weak(v, data) for k, v in value.items()} if value else value
+    return value
 
 
 # -- module kinds ----------------------------------------------------------------------------
@@ -183,11 +245,6 @@ def kind(module: Any) -> str | None:
 def _in_worker() -> bool:
     worker = sys.modules.get("torch.utils.data._utils.worker")
     return worker is not None and worker._worker_info is not None
-
-
-def _outside_normal_path() -> bool:
-    """Inside a backward (a checkpoint's re-run) or a DataLoader worker; compiling and replays are checked first."""
-    return _graph_task_id() != -1 or _in_worker()
 
 
 # -- capture ---------------------------------------------------------------------------------
@@ -220,81 +277,74 @@ def _entry(frame: Any) -> tuple:
             site[0] if site else None, T.steps)
 
 
-# -- module hooks ----------------------------------------------------------------------------
-# Every module call reaches these hooks; inside an outermost call they return at once.
-@fail_safe(FEATURE)
-def forward_pre(module: Any, args: Any) -> None:
+# -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
+def enter(module: Any, frame: Any) -> int:
+    """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    if _is_compiling():
-        return  # inside a compiled graph (dynamo folds this): the compiled module's own call is the outermost
-    if T.replaying:
-        T.replay_stack.append(module)
-        return
-    root = T.root
-    if root is not None:
-        if module is root:
-            T.root_nesting += 1  # the outermost module calling itself
-        if T.eager:
-            T.eager_stack.append(module)
-        return
+    if _is_compiling() or T.replaying:
+        return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
     g = _guard.current(FEATURE)
-    if g is None or _outside_normal_path() or kind(module) == "wrapper":
-        return  # DDP/FSDP/Lightning's wrapper: the module it calls is the outermost user call
-    _root_enter(g, module)
-
-
-def _root_enter(g: _guard.Guard, module: Any) -> None:
-    __tracebackhide__ = True
+    if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
+        # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
+        # whose module is the outermost user call
+        return outermost.NOT_OUTERMOST
     if T.pending and (T.backward_since_read or any(type(c) is Call and c.module is module for c in T.window)):
         check()  # the previous call's checks: no step consumed them
+    # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
+    T.resume_tape = T.taping and not _torch.is_grad_enabled()
     end_tape()
-    T.root = module
-    T.root_nesting = 0
-    T.entry = _entry(sys._getframe(3))
+    T.entry = _entry(frame)
     T.eager = g.options.trace == "eager"
     if T.eager:
         T.eager_stack = [module]
         start_tape(g)  # every op of the forward is recorded and checked as it runs
+        return outermost.OUTERMOST_KEEP_HOOKS
+    return outermost.OUTERMOST
 
 
-@fail_safe(FEATURE)
-def forward_post(module: Any, args: Any, *rest: Any) -> None:
-    # (kwargs, output) normally; (output,) when the forward raised: torch then calls always-call hooks
-    # without kwargs, and the call only has to be unwound.
-    if _is_compiling():
-        return
-    if T.replaying:
-        if T.replay_stack and T.replay_stack[-1] is module:
-            T.replay_stack.pop()
-        return
-    if module is not T.root:
-        if T.eager_stack and T.eager_stack[-1] is module:
-            T.eager_stack.pop()
-        return
-    if T.root_nesting:
-        T.root_nesting -= 1
-        return
-    T.root = None
+def nested(module: Any) -> None:
+    if T.eager:
+        T.eager_stack.append(module)
+
+
+def _output_sink(module: Any, key: Any, several: bool) -> Any:
+    def words() -> str:
+        name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
+        return f"output of module '{name}'" + (f" (output {key!r})" if several else "")
+    return words
+
+
+def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    __tracebackhide__ = True
     T.eager_stack = []
     entry, T.entry = T.entry, None
     g = _guard.current(FEATURE)
-    if g is None or entry is None or len(rest) != 2:
+    if g is None or entry is None:
         return
-    kwargs, output = rest
     outputs = [(o, k) for o, k in floating(output) if watched(g, o)]
-    call = Call(module, args, kwargs or {}, entry, [(weakref.ref(o), k) for o, k in outputs])
+    refs = [(weakref.ref(o), k) for o, k in outputs]
+    training = entry[2] and not entry[3]
+    # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
+    call = Call(module, weak(args, training), weak(kwargs, training), entry, refs)
     if len(T.window) < MAX_WINDOW:
+        call.index = len(T.window)
         T.window.append(call)
-    name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
-    for o, k in outputs:
-        # held until the read: its status is taken there, in one kernel with the others
-        where = f"output of module '{name}'" + (f" (output {k!r})" if len(outputs) > 1 else "")
-        T.pending.append(Pending(g, where, True, [o], o, call, key=k))
+        for ref, k in refs:
+            T.produced[id(ref())] = (ref, call.index, k)
+    several = len(outputs) > 1
+    for (o, k), (ref, _) in zip(outputs, refs, strict=True):
+        sink = _output_sink(module, k, several)
+        if training and o.requires_grad:
+            # A loss usually follows and covers it; if none does, it is read then, if still held.
+            T.pending.append(Pending(g, sink, True, [ref], ref, call, key=k, covered=True))
+        else:
+            # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
+            T.pending.append(Pending(g, sink, True, [], ref, call, key=k, status=norm(o)))
     known = roots(g)
     key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
-    if g.options.trace != "off" and entry[2]:
+    if g.options.trace != "off" and (training or T.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif T.eager:
         end_tape()
@@ -303,6 +353,14 @@ def forward_post(module: Any, args: Any, *rest: Any) -> None:
 def roots(g: _guard.Guard) -> dict:
     """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
     return g.feature_state("nonfinite_roots", dict)
+
+
+def _recover() -> None:
+    """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
+    if outermost.L.root is not None and outermost.recover():
+        T.entry = None
+        T.eager_stack = []
+        drop()
 
 
 # -- the loss-code tape ------------------------------------------------------------------------
@@ -341,17 +399,22 @@ def _make_tape() -> Any:
 
 
 def _record(func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> None:
+    if len(T.window) >= MAX_WINDOW:
+        T.taping = False
+        return
     frames = []
     while frame is not None and len(frames) < 6:
         frames.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
-    if len(T.window) >= MAX_WINDOW:
-        T.taping = False
-        return
-    T.window.append(TapeOp(func, args, kwargs, [(weakref.ref(o), k) for o, k in outs], tuple(frames),
-                           _autocast_state(), _torch.is_grad_enabled()))
+    refs = [(weakref.ref(o), k) for o, k in outs]
+    op = TapeOp(func, weak(args, True), weak(kwargs, True), refs, tuple(frames), _autocast_state(),
+                _torch.is_grad_enabled())
+    op.index = len(T.window)
+    T.window.append(op)
+    for ref, k in refs:
+        T.produced[id(ref())] = (ref, op.index, k)
     if T.eager:
-        _failure.check_eager(T.window[-1], outs)
+        _failure.check_eager(op, outs)
 
 
 def start_tape(g: _guard.Guard) -> None:
@@ -382,7 +445,16 @@ def end_tape() -> None:
 
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
-    T.pending.append(Pending(g, "loss", False, [loss], loss))
+    """The loss sink; it covers every output that flowed into it, so those are not read."""
+    if any(p.covered for p in T.pending):
+        T.pending = [p for p in T.pending if not p.covered]
+    ref = weak(loss, False)
+    T.losses.append(ref)
+    if loss.numel() == 1:
+        part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
+    else:
+        part = weakref.ref(loss)  # read if still held; its gradients are checked in any case
+    T.pending.append(Pending(g, "loss", False, [part], part, ref=ref))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -391,14 +463,15 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if g is None or T.replaying:
         return wrapped(*args, **kwargs)
     try:
+        _recover()
         end_tape()  # under Tensor.backward the mode is ours to pop only at the next hook
         roots = args[0] if args else kwargs.get("tensors")
         roots = [roots] if isinstance(roots, _torch.Tensor) else list(roots or ())
         for r in roots:
-            if r.is_floating_point() and watched(g, r) and scaled_loss(r) is None:
-                T.losses.append(r)
+            if r.is_floating_point() and watched(g, r) and not scaled(r):
                 add_loss(g, r)
         T.backward_since_read = True
+        T.backwards += 1
         if g.options.trace == "eager":
             check()
     except (AmpGuardError, AmpGuardWarning):
@@ -431,16 +504,39 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         loss = args[0] if args else kwargs.get("outputs")
         if isinstance(loss, _torch.Tensor) and isinstance(out, _torch.Tensor) and loss.is_floating_point():
             add_loss(g, loss)
-            T.losses.append(loss)
-            T.scaled[id(out)] = (weakref.ref(out), loss)  # backward() of it is this sink, not a second one
+            T.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return out
 
 
-def scaled_loss(tensor: Any) -> Any:
-    entry = T.scaled.get(id(tensor))
-    return entry[1] if entry is not None and entry[0]() is tensor else None
+def scaled(tensor: Any) -> bool:
+    ref = T.scaled.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The total norm the loop computes anyway is the gradient sink: no pass of ampguard's own."""
+    g = _guard.current(FEATURE)
+    if g is None or T.replaying:
+        return wrapped(*args, **kwargs)
+    try:
+        args, kwargs = list(args), dict(kwargs)
+        where = (args, 0) if args else (kwargs, "parameters")
+        params = where[0][where[1]]
+        if isinstance(params, _torch.Tensor):
+            params = [params]
+        else:
+            params = where[0][where[1]] = list(params)  # a generator can be read once
+        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
+        usable = float(norm_type) > 0  # a 0-"norm" counts non-zeros: a NaN would not show
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+        return wrapped(*args, **kwargs)
+    total = wrapped(*args, **kwargs)
+    if usable and isinstance(total, _torch.Tensor) and total.numel() == 1:
+        T.clip = (total.detach(), frozenset(id(p) for p in params), T.backwards)
+    return total
 
 
 # -- optimizer hooks ---------------------------------------------------------------------------
@@ -448,12 +544,23 @@ def params_of(optimizer: Any) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _gradients_sink(g: _guard.Guard, optimizer: Any) -> Any:
+    return lambda: f"gradients of {g.name_of(optimizer)}"
+
+
 def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
-    params = [p for p in params_of(optimizer)
-              if p.grad is not None and p.grad.is_floating_point() and p.grad.numel() and watched(g, p.grad)]
-    if params:
-        T.pending.append(Pending(g, f"gradients of {g.name_of(optimizer)}", False, [p.grad for p in params],
-                                 params=params, optimizer=weakref.ref(optimizer)))
+    devices = g.options.devices
+    params = [p for p in params_of(optimizer) if (grad := p.grad) is not None and grad.is_floating_point()
+              and (devices is None or grad.device.type in devices)]
+    if not params:
+        return
+    clip, T.clip = T.clip, None
+    if clip is not None and clip[2] == T.backwards and all(id(p) in clip[1] for p in params):
+        parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
+    else:
+        parts = [p.grad for p in params]
+    T.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
+                             optimizer=weakref.ref(optimizer)))
 
 
 @fail_safe(FEATURE)
@@ -462,6 +569,7 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     g = _guard.current(FEATURE)
     if g is None or T.replaying:
         return None
+    _recover()
     end_tape()
     if DEPTH.counts.get("scaler.step"):
         return None  # under a GradScaler non-finite gradients are its business; read at update()
@@ -502,18 +610,26 @@ class _CheckedClosure:
 
 @fail_safe(FEATURE)
 def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    g = _guard.current(FEATURE)
-    if g is None or T.replaying:
+    """Count the step: a parameter it makes non-finite is named at the next call that reads it."""
+    if T.replaying or _guard.current(FEATURE) is None:
         return
     T.steps += 1
-    params = [p for p in params_of(optimizer) if p.is_floating_point() and p.numel() and watched(g, p)]
-    if params:
-        # Parameters do not move before the next read (a step's pre-hook, its closure, update(), the
-        # next forward), so their statuses are taken there, in the read's one kernel.
-        T.pending.append(Pending(g, f"parameters of {g.name_of(optimizer)}", False, params, params=params,
-                                 optimizer=weakref.ref(optimizer)))
-        if g.options.trace == "eager":
-            check()
+    entry = T.stepped.get(id(optimizer))
+    if entry is None or entry[0]() is not optimizer:
+        if len(T.stepped) > 64:
+            T.stepped = {k: v for k, v in T.stepped.items() if v[0]() is not None}
+        T.stepped[id(optimizer)] = (weakref.ref(optimizer), T.steps)
+    else:
+        T.stepped[id(optimizer)] = (entry[0], T.steps)
+
+
+def stepped_optimizer_of(param: Any) -> Any:
+    """The optimizer that stepped ``param`` in this thread, if any (failure path)."""
+    for ref, _ in T.stepped.values():
+        optimizer = ref()
+        if optimizer is not None and any(p is param for p in params_of(optimizer)):
+            return optimizer
+    return None
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -522,32 +638,64 @@ def _collect() -> list:
     g = _guard.current(FEATURE)
     if g is None or not T.pending:
         return []
-    if any(p.guard is not g for p in T.pending):
-        T.pending = [p for p in T.pending if p.guard is g]
-    return [_statuses([t for p in T.pending for t in p.tensors])]
+    pending = T.pending if all(p.guard is g for p in T.pending) else [p for p in T.pending if p.guard is g]
+    T.pending = []
+    tensors, taken, layout = [], [], []
+    for p in pending:
+        at = []
+        if p.status is not None:
+            at.append(~len(taken))
+            taken.append(p.status)
+        for part in p.parts:
+            t = part if isinstance(part, _torch.Tensor) else part()
+            if t is not None:  # an output the user dropped: nothing can read it any more, nothing is lost
+                at.append(len(tensors))
+                tensors.append(t)
+        if at:
+            layout.append((p, at))
+    T.reading = layout
+    if not layout:
+        _clear_window()  # a read with nothing left to read is a clean read
+        return []
+    statuses = (_norms(tensors) if tensors else []) + taken
+    device = statuses[0].device
+    if any(s.device != device for s in statuses):
+        statuses = [s.to(device) for s in statuses]
+    if any(s.dtype != statuses[0].dtype for s in statuses):
+        statuses = [s.double() for s in statuses]
+    return [_torch.stack(statuses)]
 
 
 def _consume(values: list[float]) -> None:
-    """Judge the pending sinks in the order they were added; raise or warn for the first bad one."""
+    """Judge the sinks read, in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    g = _guard.current(FEATURE)
-    pending, T.pending = T.pending, []
-    at = 0
+    layout, T.reading = T.reading, []
+    n = len(values) - sum(1 for _, at in layout for i in at if i < 0)  # where the taken statuses start
     failed = None
-    for p in pending:
-        mine = values[at:at + len(p.tensors)]
-        at += len(mine)
-        if failed is None and any(v != v or (v == math.inf and not p.nan_only) for v in mine):
+    for p, at in layout:
+        mine = [values[i] if i >= 0 else values[n + ~i] for i in at]
+        if any(v != v for v in mine) or (not p.nan_only and math.inf in mine and not _finite_after_all(p)):
             failed = p
+            break
     if failed is None:
         _clear_window()
         return
-    _failure.fail(g, failed)
+    _failure.fail(_guard.current(FEATURE), failed)
+
+
+def _finite_after_all(p: Pending) -> bool:
+    """An Inf status may be a sum of squares that overflowed: check exactly (failure path only)."""
+    if p.params is not None:
+        return all(finite(q.grad) for q in p.params if q.grad is not None)
+    alive = [part if isinstance(part, _torch.Tensor) else part() for part in p.parts]
+    return all(t is not None and finite(t) for t in alive)
 
 
 def _clear_window() -> None:
     end_tape()
+    T.resume_tape = False
     T.window = []
+    T.produced = {}
     T.losses = []
     T.backward_since_read = False
     T.scaled = {}
@@ -567,8 +715,6 @@ def check() -> None:
 
 def forget_calls() -> None:
     """The module calls open in this thread, as the hooks go off (their closing will not be seen)."""
-    T.root = None
-    T.root_nesting = 0
     T.entry = None
     T.eager = False
     T.eager_stack = []
@@ -577,6 +723,7 @@ def forget_calls() -> None:
 def drop(g: Any = None) -> None:
     """Forget the pending checks (of ``g``, or all) and the window: an exception is on its way."""
     T.pending = [p for p in T.pending if g is not None and p.guard is not g]
+    T.clip = None
     _clear_window()
 
 

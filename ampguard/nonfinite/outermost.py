@@ -1,0 +1,212 @@
+"""Finding the outermost module call while nested calls stay on torch's fast path.
+
+torch runs ``Module._call_impl``'s slow path (about 11 us more per call) for every module call
+while any global module hook exists. ampguard needs only the outermost call of each forward, so:
+
+- one global forward *pre*-hook is registered while the feature is on (no global forward hook);
+- when it fires for an outermost call, it takes itself off torch's global dict ("suspends"), so
+  every nested call of that forward finds no global hook and takes the fast path;
+- an always-call forward hook on that one module instance (and a pre-hook that counts the module
+  calling itself) ends the call, even when its forward raises, and puts the global hook back.
+
+A ``KeyboardInterrupt`` skips torch's always-call hooks. The next hook that sees this thread's
+outermost call still open checks whether that call's frame is still running; if not, the call
+was interrupted, and the global hook goes back (:func:`recover`).
+
+Suspension is process-wide (torch's hook dicts are): while one thread is inside an outermost
+call, module calls that another thread starts are not seen as outermost calls. Their losses and
+gradients are still checked; their outputs are not.
+
+``trace="eager"`` needs every nested call for module names and is slow anyway: it does not suspend.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .._fallback import fail_safe
+
+_lock = threading.Lock()
+NOT_OUTERMOST, OUTERMOST, OUTERMOST_KEEP_HOOKS = 0, 1, 2
+
+
+class _Hooks:
+    """The one registration in force: ids in torch's dicts, and the callbacks into the sinks."""
+
+    def __init__(self) -> None:
+        self.generation = 0  # changes at every switch on and off: hooks of an older one do nothing
+        self.handle: Any = None  # torch's handle of the global pre-hook
+        self.dict: dict | None = None  # torch's _global_forward_pre_hooks
+        self.suspended = 0  # outermost calls open across threads that took the global hook off
+        self.ids: tuple[int, int] = (-1, -1)  # hook ids for the instance pre-hook and forward hook
+        self.attached: dict[int, Any] = {}  # id(module) -> module with instance hooks now
+        # enter(module, frame): NOT_OUTERMOST, or OUTERMOST (suspend), or OUTERMOST_KEEP_HOOKS (trace='eager')
+        self.enter: Callable[[Any, Any], int] = lambda module, frame: NOT_OUTERMOST
+        self.exit: Callable[[Any, tuple, dict, Any], None] = lambda module, args, kwargs, output: None
+        self.nested: Callable[[Any], None] = lambda module: None
+
+
+H = _Hooks()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.root: Any = None  # the open outermost call's module in this thread
+        self.frame: Any = None  # the frame of torch's call of it, to tell a nested call from a stale one
+        self.nesting = 0  # calls of that same module inside it
+        self.suspended = False  # whether this thread's open call took the global hook off
+        self.generation = -1
+
+
+L = _Local()
+
+
+def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict, Any], None],
+              nested: Callable[[Any], None]) -> Callable[[], None]:
+    """Register the global pre-hook; ``enter(module, frame)`` says whether a call is outermost,
+    ``exit(module, args, kwargs, output)`` ends one, ``nested(module)`` sees calls inside one while
+    the hooks are on (trace='eager')."""
+    from torch.nn.modules import module as nn_module
+    from torch.utils.hooks import RemovableHandle
+
+    with _lock:
+        H.generation += 1
+        H.enter, H.exit, H.nested = enter, exit, nested
+        first = RemovableHandle.next_id
+        RemovableHandle.next_id += 2  # two ids of our own for the instance hooks, never reused by torch
+        H.ids = (first, first + 1)
+        H.dict = nn_module._global_forward_pre_hooks
+        H.suspended = 0
+        H.handle = nn_module.register_module_forward_pre_hook(_global_pre)
+
+    def off() -> None:
+        with _lock:
+            H.generation += 1
+            H.handle.remove()
+            H.suspended = 0
+            for module in list(H.attached.values()):
+                _detach(module)
+            H.attached.clear()
+        forget()
+
+    return off
+
+
+def forget() -> None:
+    """This thread's open call is closed without being seen closing (switch-off, interruption)."""
+    module = L.root
+    if module is not None and L.generation == H.generation:
+        _detach(module)
+    L.root = L.frame = None
+    L.nesting = 0
+    if L.suspended:
+        L.suspended = False
+        _resume(L.generation)
+
+
+def _suspend() -> None:
+    with _lock:
+        H.suspended += 1
+        if H.suspended == 1 and H.dict is not None:
+            H.dict.pop(H.handle.id, None)
+
+
+def _resume(generation: int) -> None:
+    with _lock:
+        if generation != H.generation:
+            return  # switched off (and maybe on again) since: that registration is gone
+        H.suspended = max(H.suspended - 1, 0)
+        if H.suspended == 0 and H.dict is not None:
+            H.dict[H.handle.id] = _global_pre
+
+
+def _attach(module: Any) -> None:
+    pre, post = H.ids
+    module._forward_pre_hooks[pre] = _instance_pre
+    module._forward_hooks[post] = _instance_post
+    module._forward_hooks_with_kwargs[post] = True
+    module._forward_hooks_always_called[post] = True
+    H.attached[id(module)] = module
+
+
+def _detach(module: Any) -> None:
+    pre, post = H.ids
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called"):
+        hooks = getattr(module, name, None)
+        if hooks is not None:
+            hooks.pop(pre, None)
+            hooks.pop(post, None)
+    H.attached.pop(id(module), None)
+
+
+def running(frame: Any) -> bool:
+    """Whether ``frame`` is on this thread's stack now (the open call was not interrupted)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+def recover() -> bool:
+    """Close this thread's open call if it was interrupted (a KeyboardInterrupt skipped torch's
+    always-call hooks); True if one was. Cheap when none is open."""
+    if L.root is None or running(L.frame):
+        return False
+    forget()
+    return True
+
+
+# -- the hooks ----------------------------------------------------------------------------------
+@fail_safe("nonfinite")
+def _global_pre(module: Any, args: Any) -> None:
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    if L.root is not None:
+        if running(L.frame):
+            H.nested(module)  # hooks are on inside an open call: trace='eager', or another thread resumed them
+            return
+        forget()  # interrupted: this is a new call
+    frame = sys._getframe(2)  # torch's inner(): running while this call is
+    _open(module, frame, H.enter(module, frame))
+
+
+def _open(module: Any, frame: Any, mode: int) -> None:
+    if mode == NOT_OUTERMOST:
+        return
+    L.root, L.frame, L.nesting, L.generation = module, frame, 0, H.generation
+    _attach(module)
+    if mode == OUTERMOST:
+        L.suspended = True
+        _suspend()
+
+
+@fail_safe("nonfinite")
+def _instance_pre(module: Any, args: Any) -> None:
+    __tracebackhide__ = True
+    if module is not L.root:
+        return  # another thread calls the same module
+    if running(L.frame):
+        L.nesting += 1  # the module calling itself
+        return
+    forget()  # the open call was interrupted; this call is a new one
+    frame = sys._getframe(2)
+    _open(module, frame, H.enter(module, frame))
+
+
+@fail_safe("nonfinite")
+def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    __tracebackhide__ = True
+    if module is not L.root:
+        return
+    if L.nesting:
+        L.nesting -= 1
+        return
+    generation = L.generation
+    forget()
+    if generation == H.generation:
+        H.exit(module, args, kwargs or {}, output)

@@ -1,0 +1,264 @@
+"""The normal path costs the same whatever the model's size: no pass of ampguard's own over
+parameters or outputs a loss covers, no tensor kept alive, nested module calls on torch's fast path."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import ampguard
+from ampguard import nonfinite
+from ampguard.nonfinite import sinks
+
+
+def our_hooks():
+    return [h for h in torch.nn.modules.module._global_forward_pre_hooks.values()
+            if getattr(h, "__module__", "").startswith("ampguard")]
+
+
+class Probe(torch.nn.Module):
+    """Records, inside a nested call, whether any global module hook was in place."""
+
+    def __init__(self, fail=None):
+        super().__init__()
+        self.seen = []
+        self.fail = fail
+
+    def forward(self, x):
+        module = torch.nn.modules.module
+        self.seen.append(bool(module._global_forward_pre_hooks or module._global_forward_hooks))
+        if self.fail is not None:
+            raise self.fail
+        return x
+
+
+class Net(torch.nn.Module):
+    def __init__(self, fail=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.probe = Probe(fail)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.probe(self.fc(x)))
+
+
+def test_nested_module_calls_see_no_global_hook_and_the_hook_is_back_after_the_call():
+    ampguard.install()
+    model = Net()
+    assert len(our_hooks()) == 1
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+    assert model.probe.seen == [False, False, False]  # torch's fast path inside the outermost call
+    assert len(our_hooks()) == 1 and model._forward_hooks == {} and model._forward_pre_hooks == {}
+    ampguard.uninstall()
+    assert our_hooks() == []
+
+
+def test_a_forward_that_raises_puts_the_hook_back():
+    ampguard.install()
+    model = Net(fail=ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        model(torch.randn(4, 8))
+    assert len(our_hooks()) == 1 and model._forward_hooks == {}
+    healthy = Net()
+    healthy(torch.randn(4, 8)).sum().backward()
+    assert healthy.probe.seen == [False]
+
+
+@pytest.mark.parametrize("next_call", ["same module", "other module", "backward"])
+def test_a_keyboard_interrupt_inside_the_forward_is_recovered(next_call):
+    ampguard.install()
+    model = Net(fail=KeyboardInterrupt())  # torch runs no always-call hook for it
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(4, 8))
+    assert our_hooks() == []  # still taken off: nobody saw the call end
+    model.probe.fail = None
+    if next_call == "same module":
+        out = model(torch.randn(4, 8))  # its instance pre-hook sees the stale call and starts a new one
+    elif next_call == "other module":
+        out = Net()(torch.randn(4, 8))
+        torch.nn.Linear(2, 2)(torch.randn(1, 2)).sum().backward()  # the backward recovers
+        out = Net()(torch.randn(4, 8))
+    else:
+        torch.nn.Linear(2, 2)(torch.randn(1, 2)).sum().backward()
+        out = model(torch.randn(4, 8))
+    out.sum().backward()
+    assert len(our_hooks()) == 1 and model._forward_hooks == {}
+    assert sinks.T.window == [] or sinks.T.window[0].module is not None
+    ampguard.uninstall()
+    assert our_hooks() == [] and model._forward_hooks == {}
+
+
+def test_a_module_calling_itself_is_one_outermost_call():
+    class Recursive(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, depth=2):
+            return self.fc(x) if depth == 0 else self(self.fc(x), depth - 1)
+
+    ampguard.install()
+    model = Recursive()
+    out = model(torch.randn(2, 4))
+    calls = [e for e in sinks.T.window if type(e) is sinks.Call]
+    assert len(calls) == 1 and calls[0].module is model
+    out.sum().backward()
+    assert len(our_hooks()) == 1 and model._forward_hooks == {}
+
+
+def test_a_dropped_output_is_freed_before_backward():
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = []
+
+    def keep_ref(module, args, output):
+        refs.append(weakref.ref(output))
+
+    model.register_forward_hook(keep_ref)
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1]))
+    gc.collect()
+    assert refs[0]() is None  # the logits: only autograd's saved copy (if any) remains, as without ampguard
+    loss.backward()
+    opt.step()
+
+
+def test_ampguard_holds_no_activation_output_or_loss_graph_between_steps():
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    loss = model(x).sum()
+    loss.backward()
+    held = [t for t in _held_tensors() if t.grad_fn is not None]
+    assert held == []
+    opt.step()
+    assert sinks.T.pending == [] and sinks.T.window == []
+
+
+def _held_tensors():
+    held = []
+    for p in sinks.T.pending:
+        held.extend(t for t in p.parts if isinstance(t, torch.Tensor))
+    for event in sinks.T.window:
+        stack = [event.args, event.kwargs]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, torch.Tensor):
+                held.append(v)
+            elif isinstance(v, (tuple, list)):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+    return held
+
+
+def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reduced = []
+    original = sinks._norms
+    monkeypatch.setattr(sinks, "_norms", lambda tensors: reduced.append(len(tensors)) or original(tensors))
+    model(torch.randn(4, 8)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    assert reduced == [2]  # the loss and clip_grad_norm_'s total norm, not the 4 gradients
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # no clip this time: one pass over the gradients
+    assert reduced == [2, 5]
+
+
+def test_a_nan_gradient_is_caught_through_the_clip_norm_and_named():
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.head.weight.register_hook(lambda grad: grad * float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(4, 8)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    # clip_grad_norm_ scales every gradient by max_norm / NaN: all of them are NaN by the step
+    assert info.value.sink.startswith("gradient of parameter")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_clip_before_the_latest_backward_is_not_used():
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # finite
+    model.head.weight.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(ampguard.NonFiniteError):
+        model(torch.randn(4, 8)).sum().backward()  # accumulates NaN after the clip
+        opt.step()
+
+
+@pytest.mark.parametrize(("dtype", "value"), [(torch.float32, 3e38), (torch.float16, 60000.0),
+                                              (torch.float32, 1e20), (torch.bfloat16, 3e38)])
+def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value):
+    g = ampguard.install()
+    model = torch.nn.Linear(64, 64).to(dtype)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.fill_(value)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.zeros(16, 64, dtype=dtype)
+    for _ in range(2):
+        out = model(x)  # every element `value`: its 2-norm overflows float32
+        (out * 0 + value).max().backward()  # a finite loss of `value`
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            held = model(x)  # an output no loss covers, read at the next call
+    del held
+    nonfinite.check()
+    assert g.stats.nonfinite_detected == 0
+
+
+def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once():
+    ampguard.install()
+    model = Net()
+    x = torch.randn(4, 8)  # under no_grad ampguard holds no input: a replay needs the user's
+    with torch.no_grad():
+        model.head.bias[0] = float("nan")
+        model(x).argmax(-1)  # status taken when made; the output is not held
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            model(x)  # the next call of the same module reads it
+    assert info.value.sink == "output of module 'Net'"
+    assert "parameter 'head.bias'" in str(info.value)
+
+
+def test_a_nan_made_by_a_step_is_named_at_the_next_forward_with_the_step():
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=float("inf"))  # finite gradients, a step that overflows
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    message = str(info.value)
+    assert "It entered already non-finite" in message and "parameter 'fc." in message
+    assert "The optimizer step of SGD#0 made it" in message
+
+
+def test_a_teacher_under_no_grad_after_the_student_keeps_the_loss_code_recorded():
+    ampguard.install()
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    x = torch.randn(4, 8)
+    log_p = torch.log(student(x))  # NaN where negative: the origin
+    with torch.no_grad():
+        soft = teacher(x).softmax(-1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        torch.nn.functional.kl_div(log_p, soft, reduction="batchmean").backward()
+        nonfinite.check()
+    assert info.value.op == "torch.log"
