@@ -288,11 +288,12 @@ def enter(module: Any, frame: Any) -> int:
         # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
         # whose module is the outermost user call
         return outermost.NOT_OUTERMOST
+    # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
+    resume = T.taping and not _torch.is_grad_enabled()
+    end_tape()
     if T.pending and (T.backward_since_read or any(type(c) is Call and c.module is module for c in T.window)):
         check()  # the previous call's checks: no step consumed them
-    # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
-    T.resume_tape = T.taping and not _torch.is_grad_enabled()
-    end_tape()
+    T.resume_tape = resume
     T.entry = _entry(frame)
     T.eager = g.options.trace == "eager"
     if T.eager:
@@ -707,6 +708,7 @@ _sync.participate(FEATURE, _collect, _consume)
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    end_tape()  # the read's own ops are not the user's loss code
     if T.pending:
         _sync.read([])[1]()
     elif T.window:
