@@ -23,6 +23,11 @@ class LossScaleCollapseError(AmpGuardError):
         self.optimizers = optimizers
         self.scale_history = scale_history
 
+    def __reduce__(self) -> tuple:
+        # A worker's error crosses a process boundary (multiprocessing.Pool); the keyword-only
+        # arguments are not in self.args, so the default reduction could not rebuild it.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
 
 class AmpGuardWarning(UserWarning):
     """Category of every warning ampguard issues (``-W error::ampguard.AmpGuardWarning`` works)."""
@@ -44,6 +49,17 @@ class NonFiniteError(AmpGuardError, FloatingPointError):
         self.module = module
         self.origin = origin
         self.chain = chain or []
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    """Unpickle an error with keyword-only arguments: the message, then every attribute as it was."""
+    error = Exception.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 # Tracebacks and pickles name the public path (ampguard.NonFiniteError), where users import them from.
