@@ -1,7 +1,10 @@
 """``python -m ampguard [script.py | -m module | -c code | doctor] [args]``, as ``python`` takes them.
 
-Runs the program with the guard installed. ``sys.argv``, ``__name__ == "__main__"`` and the
-exit code behave as under plain ``python``; the exit report follows the program's output. The
+Runs the program with the guard installed. ``sys.argv``, ``__name__ == "__main__"``, ``__file__``
+(absolute) and the exit code behave as under plain ``python``; interpreter flags before the
+program (``-u``, ``-W arg``, ``-X arg``, ``-O``, ``-B`` ...) are passed on to a fresh interpreter. The
+processes the program starts (subprocesses, spawn workers, launcher-started ranks) are guarded
+too, with the same options, exactly as under ``AMPGUARD=1``; the exit report follows the program's output. The
 user asked for the guard explicitly, so an invalid ``AMPGUARD_*`` value stops here with exit
 code 2 and one line, before the program runs (the ``AMPGUARD=1`` start-up hook instead runs the
 program without the guard: it must never break start-up). ``doctor`` prints what ampguard would
@@ -15,7 +18,7 @@ import runpy
 import sys
 
 USAGE = """\
-usage: python -m ampguard script.py [args ...]
+usage: python -m ampguard [python flags: -u -W arg -X arg -O -B ...] script.py [args ...]
        python -m ampguard -m package.module [args ...]
        python -m ampguard -c "code" [args ...]
        python -m ampguard doctor
@@ -27,11 +30,49 @@ Options come from AMPGUARD_* environment variables, for example AMPGUARD_MAX_CON
 or AMPGUARD_TRACE=eager; an invalid value stops with exit code 2 before the program runs."""
 
 
+# Interpreter flags accepted before the program, as python takes them; the ones with an argument.
+_FLAGS = frozenset({"-u", "-O", "-OO", "-B", "-b", "-bb", "-E", "-s", "-S", "-I", "-q", "-v", "-d", "-P"})
+_FLAGS_WITH_ARG = ("-W", "-X")
+
+
+def _interpreter_flags(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """(the leading interpreter flags, the rest), or None if a flag lacks its argument."""
+    flags, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _FLAGS:
+            flags.append(arg)
+        elif arg in _FLAGS_WITH_ARG:
+            if i + 1 >= len(argv):
+                return None
+            flags.extend(argv[i:i + 2])
+            i += 1
+        elif arg[:2] in _FLAGS_WITH_ARG and len(arg) > 2:  # -Werror, -Xdev
+            flags.append(arg)
+        else:
+            break
+        i += 1
+    return flags, argv[i:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    split = _interpreter_flags(argv)
+    if split is None:
+        print(f"ampguard: argument expected for the {argv[-1]} option\n{USAGE}", file=sys.stderr)
+        return 2
+    flags, rest = split
+    if flags:
+        if not rest:
+            print(USAGE, file=sys.stderr)
+            return 2
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The flags act on the interpreter itself: start one that has them, running the same command.
+        os.execv(sys.executable, [sys.executable, *flags, "-m", "ampguard", *rest])
     first = argv[0]
     if first in ("-h", "--help"):
         print(USAGE)
@@ -63,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    # Processes the program starts run the start-up hook with the same AMPGUARD_* options.
+    os.environ["AMPGUARD"] = "1"
     if first == "-m":
         import importlib.util
 
@@ -73,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         if found is None:
             print(f"ampguard: no module named {argv[1]!r}", file=sys.stderr)
             return 1
+        if found.submodule_search_locations is not None:  # a package: it runs its __main__
+            try:
+                main_found = importlib.util.find_spec(f"{argv[1]}.__main__")
+            except (ImportError, ValueError):
+                main_found = None
+            if main_found is None:
+                print(f"ampguard: no module named {argv[1]}.__main__; {argv[1]!r} is a package and cannot be "
+                      "directly executed", file=sys.stderr)
+                return 1
+            found = main_found
         sys.argv = [found.origin or argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     elif first == "-c":
@@ -82,9 +135,34 @@ def main(argv: list[str] | None = None) -> int:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
     else:
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(first))
-        runpy.run_path(first, run_name="__main__")
+        path = os.path.abspath(first)
+        sys.path[0] = os.path.dirname(path)
+        if os.path.isfile(path) and not _zipfile(path):
+            _run_script(path)
+        else:  # a directory or zip archive with a __main__.py
+            runpy.run_path(path, run_name="__main__")
     return 0
+
+
+def _zipfile(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+def _run_script(path: str) -> None:
+    """Run a script as python does: the real __main__ module (multiprocessing's spawn re-imports it from
+    there), ``__file__`` absolute, ``sys.argv[0]`` as typed. runpy.run_path would make argv[0] the path."""
+    import types
+
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")  # bytes: the file's coding cookie is honoured
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__cached__ = None
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
 
 
 def _quiet_broken_pipe() -> None:

@@ -305,14 +305,18 @@ def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNS
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
     global _installed
-    with _lock:
-        if _installed is None:
-            _ensure_installed()
-            _installed = Guard(_options.resolve(options))
-        else:
-            _installed.options = _installed.options.replace(**options)
-        _update_switches()
-        return _installed
+    try:
+        with _lock:
+            if _installed is None:
+                resolved = _options.resolve(options)  # a rejected option changes nothing: checked before patching
+                _ensure_installed()
+                _installed = Guard(resolved)
+            else:
+                _installed.options = _installed.options.replace(**options)
+            _update_switches()
+            return _LOCAL.guard or _installed  # inside a guard() block of this thread, that block's guard
+    except _options.ConfigError as error:
+        raise error.with_traceback(None) from None  # a usage error: the traceback ends at your call
 
 
 install.__doc__ = (install.__doc__ or "") + _OPTION_DOCS
@@ -357,8 +361,12 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
                       "trace": trace, "devices": devices}, unknown)
     with _lock:
         outer = active()
+        try:
+            resolved = outer.options.replace(**options) if outer is not None else _options.resolve(options)
+        except _options.ConfigError as error:
+            raise error.with_traceback(None) from None  # checked before patching: nothing to undo
         _ensure_installed()
-        g = Guard(outer.options.replace(**options) if outer is not None else _options.resolve(options))
+        g = Guard(resolved)
         stack = _blocks.setdefault(threading.get_ident(), [])
         stack.append(g)
         _LOCAL.guard = g

@@ -8,6 +8,8 @@ the README table and ``python -m ampguard doctor`` all read that one table.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -56,9 +58,10 @@ def _env_bool(text: str) -> bool:
 def _check_skips(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    # numbers.Integral: numpy's and torch's integers too (a value read from a config or a sweep)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise _Reject
-    return value
+    return int(value)
 
 
 def _env_skips(text: str) -> int | None:
@@ -256,7 +259,10 @@ def validate(options: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in options.items():
         spec = SPECS.get(name)
         if spec is None:
-            raise ConfigError(f"ampguard: unknown option {name!r}; accepted options: {', '.join(sorted(SPECS))}")
+            close = difflib.get_close_matches(name, sorted(SPECS), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"ampguard: unknown option {name!r}; {hint}accepted options: "
+                              f"{', '.join(sorted(SPECS))}")
         try:
             out[name] = spec.check(value)
         except _Reject:
@@ -297,8 +303,6 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 
 
 def unknown_message(name: str) -> str:
-    import difflib
-
     close = difflib.get_close_matches(name, sorted(known_variables()), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}? " if close else ""
     known = ", ".join(sorted(known_variables()))

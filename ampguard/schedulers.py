@@ -82,13 +82,14 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scaler.step"):
+    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+        # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
+        # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
     result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
-        if getattr(instance, "_enabled", False):
-            optimizer = args[0] if args else kwargs["optimizer"]
-            _remember_step(g, instance, optimizer)
+        optimizer = args[0] if args else kwargs["optimizer"]
+        _remember_step(g, instance, optimizer)
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return result
