@@ -52,7 +52,8 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
         device = parts[0].device
     # cat promotes: float32 with the scaler's int32 growth tracker reads as float32, and a float64 part
     # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
-    flat = [(t if t.device == device else t.to(device, non_blocking=True)).reshape(-1) for t in parts]
+    flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in flat]  # found_inf, the scale, statuses: already 1-D
     values = torch.cat(flat).tolist()
 
     def settle() -> None:

@@ -244,7 +244,7 @@ def measure(step, configs, reps, steps):
                     step()
                 _sync()
                 times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(v) for name, v in times.items()}
+    return times
 
 
 def measure_fit(fit, configs, reps, steps):
@@ -254,14 +254,22 @@ def measure_fit(fit, configs, reps, steps):
             with CONFIGS[name]():
                 fit(12)  # warm this configuration: entering a guard patches classes, which costs the next steps
                 times[name].append(fit(steps))
-    return {name: statistics.median(v) for name, v in times.items()}
+    return times
 
 
-def show(title, medians):
+def ratios(times, name):
+    """Each rep's time over the same rep's plain time: drift of the machine between reps cancels."""
+    return sorted(t / p for t, p in zip(times[name], times["plain"], strict=True))
+
+
+def show(title, times):
+    """Median ms/step, and the median of the per-rep ratios to plain with its interquartile range."""
     print(f"\n{title}")
-    plain = medians["plain"]
-    for name, value in medians.items():
-        print(f"  {name:34s} {value * 1e3:9.3f} ms/step {value / plain:7.2f}x")
+    for name, values in times.items():
+        r = ratios(times, name)
+        lo, hi = (r[len(r) // 4], r[(3 * len(r)) // 4]) if len(r) >= 4 else (r[0], r[-1])
+        print(f"  {name:34s} {statistics.median(values) * 1e3:9.3f} ms/step {statistics.median(r):7.2f}x"
+              f"  ({lo:.2f}-{hi:.2f})")
 
 
 def replay_time(step, reps=3):
@@ -298,8 +306,9 @@ def scaling(reps, quick):
     for width, label in widths:
         step = wide_mlp(width, batch=8)
         m = measure(step, ["plain", "install() (default)"], reps, 2 if quick else 5)
-        plain, guarded = m["plain"], m["install() (default)"]
-        print(f"  {label:>10s}   {plain * 1e3:13.2f}   {(guarded - plain) * 1e3:13.2f}   {guarded / plain:5.2f}x")
+        plain, guarded = statistics.median(m["plain"]), statistics.median(m["install() (default)"])
+        ratio = statistics.median(ratios(m, "install() (default)"))
+        print(f"  {label:>10s}   {plain * 1e3:13.2f}   {(ratio - 1) * plain * 1e3:13.2f}   {ratio:5.2f}x")
     print("  module calls   plain us/call   added us/call   ratio")
     for calls in ([10, 100, 1000] if not quick else [10]):
         torch.manual_seed(0)
@@ -315,8 +324,9 @@ def scaling(reps, quick):
             opt.zero_grad(set_to_none=True)
 
         m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
-        plain, guarded = m["plain"], m["install() (default)"]
-        print(f"  {n:12d}   {plain / n * 1e6:13.2f}   {(guarded - plain) / n * 1e6:13.2f}   {guarded / plain:5.2f}x")
+        plain = statistics.median(m["plain"])
+        ratio = statistics.median(ratios(m, "install() (default)"))
+        print(f"  {n:12d}   {plain / n * 1e6:13.2f}   {(ratio - 1) * plain / n * 1e6:13.2f}   {ratio:5.2f}x")
 
 
 # -- memory -----------------------------------------------------------------------------------------

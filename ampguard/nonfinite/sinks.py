@@ -204,6 +204,15 @@ def weak(value: Any, data: bool) -> Any:
     target, a mask) is kept as it is, until the read: a replay needs it, its size is the batch's,
     and autograd usually holds it through backward anyway. Every other tensor is held weakly.
     """
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind([_weak_one(v, data) for v in value]) if value else value
+    if kind is dict:
+        return {k: _weak_one(v, data) for k, v in value.items()} if value else value
+    return _weak_one(value, data)
+
+
+def _weak_one(value: Any, data: bool) -> Any:
     if isinstance(value, _torch.Tensor):
         made = T.produced.get(id(value))
         if made is not None and made[0]() is value:
@@ -212,10 +221,8 @@ def weak(value: Any, data: bool) -> Any:
             return value
         return Ref(weakref.ref(value), -1, None)
     kind = type(value)
-    if kind is tuple or kind is list:
-        return kind(weak(v, data) for v in value) if value else value
-    if kind is dict:
-        return {k: weak(v, data) for k, v in value.items()} if value else value
+    if kind is tuple or kind is list or kind is dict:
+        return weak(value, data)
     return value
 
 
@@ -659,6 +666,8 @@ def _collect() -> list:
         _clear_window()  # a read with nothing left to read is a clean read
         return []
     statuses = (_norms(tensors) if tensors else []) + taken
+    if len(statuses) == 1:
+        return [statuses[0].reshape(1)]
     device = statuses[0].device
     if any(s.device != device for s in statuses):
         statuses = [s.to(device) for s in statuses]
