@@ -7,6 +7,9 @@ that created it.
 
 Importing the package is nearly free: the public names load on first use (PEP 562), so the
 pytest plugin and ``from ampguard import AmpGuardWarning`` never pay for wrapt or the patches.
+
+PYTEST_DONT_REWRITE: under ``AMPGUARD=1`` this package is imported before pytest starts, and pytest
+would warn that its plugin's package cannot be rewritten (an error under ``filterwarnings = error``).
 """
 
 from __future__ import annotations

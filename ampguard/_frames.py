@@ -37,7 +37,8 @@ def is_internal(code: Any) -> bool:
     internal = _internal_code.get(code)
     if internal is None:
         filename = code.co_filename
-        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots())
+        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots()) or \
+            os.path.basename(filename) == "_ampguard_startup.py"  # the start-up hook, beside site-packages' root
         _internal_code[code] = internal
     return internal
 
@@ -54,10 +55,13 @@ def user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
     return tuple(out)
 
 
-def warn_at_user(message: str) -> None:
-    """Issue an AmpGuardWarning attributed to the innermost user frame (file:line the user can open)."""
+def warn_at_user(message: str, elsewhere: str | None = None) -> None:
+    """Issue an AmpGuardWarning attributed to the innermost user frame (file:line the user can open),
+    or to ``elsewhere`` (such as ``<environment>``) when no user code is on the stack."""
     frames = user_frames(sys._getframe(1), limit=1, budget=64)
-    if frames:
+    if not frames and elsewhere is not None:
+        warnings.warn_explicit(message, AmpGuardWarning, elsewhere, 0, module="ampguard")
+    elif frames:
         code, lineno = frames[0]
         module = code.co_filename.rpartition(os.sep)[2].removesuffix(".py")
         warnings.warn_explicit(message, AmpGuardWarning, code.co_filename, lineno, module=module)

@@ -286,7 +286,7 @@ def from_environ(environ: Mapping[str, str] | None = None, skip: frozenset | set
             _warned_unknown.add(name)
             from ._frames import warn_at_user
 
-            warn_at_user(unknown_message(name))
+            warn_at_user(unknown_message(name), elsewhere="<environment>")  # at start-up no line of yours runs
     return out
 
 

@@ -239,14 +239,17 @@ def _make_callback_class() -> type:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             g = _guard.active()
-            if g is None or not getattr(trainer, "loggers", None):
-                return  # no logger: logging would only make Lightning warn that nobody listens
+            if g is None:
+                return
             s = g.stats
             metrics = {"ampguard/optimizer_steps_skipped": float(s.optimizer_steps_skipped),
                        "ampguard/scheduler_steps_held": float(s.scheduler_steps_held)}
             if s.loss_scale is not None:
                 metrics["ampguard/loss_scale"] = float(s.loss_scale)
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+            # Without a logger the counters still reach trainer.callback_metrics; logger=True would make
+            # Lightning warn that nobody listens.
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False,
+                               logger=bool(getattr(trainer, "loggers", None)))
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             from . import uninstall

@@ -3,6 +3,10 @@
 It runs in every Python process of the environment, so it does nothing, and imports nothing,
 unless ``AMPGUARD`` is set. When set, it only registers post-import hooks; torch and
 Lightning are patched when the program itself imports them. It never raises.
+
+PYTEST_DONT_REWRITE: pytest marks every top-level module of a plugin's distribution for assertion
+rewriting and warns about one already imported, as this one always is; under ``filterwarnings =
+error`` that warning would stop pytest at start-up.
 """
 
 import os

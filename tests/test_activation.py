@@ -90,6 +90,17 @@ def test_an_unknown_variable_warns_with_the_closest_name_and_the_guard_still_run
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
     lines = [x for x in proc.stderr.splitlines() if "unknown environment variable" in x]
     assert len(lines) == 1 and "AMPGUARD_MAX_SKIPS is ignored; did you mean AMPGUARD_MAX_CONSECUTIVE_SKIPS?" in lines[0]
+    assert lines[0].startswith("<environment>:0: AmpGuardWarning"), lines[0]  # not a line of the start-up hook
+    assert "_ampguard_startup" not in proc.stderr
+
+
+def test_ampguard_env_works_under_a_pytest_configuration_that_turns_warnings_into_errors(python, tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
+    (tmp_path / "test_strict.py").write_text(
+        "import ampguard\n\ndef test_guarded():\n    assert ampguard.active() is not None\n")
+    proc = python(None, "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=tmp_path, env={"AMPGUARD": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 passed" in proc.stdout
 
 
 def test_a_keyword_wins_even_over_an_invalid_environment_value(monkeypatch):

@@ -287,14 +287,15 @@ def test_callback_installs_logs_and_restores(L, tmp_path):
     assert ampguard.active() is None  # it installed the guard, so it removed it
 
 
-def test_callback_without_a_logger_logs_nothing_and_warns_nothing(L):
+def test_callback_without_a_logger_warns_nothing_and_still_fills_callback_metrics(L):
     from ampguard.lightning import AmpGuardCallback
 
     model = module_class(L)()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(L, model, callbacks=[AmpGuardCallback()])  # fit() passes logger=False
+        trainer, _ = fit(L, model, callbacks=[AmpGuardCallback()])  # fit() passes logger=False
     assert not [w for w in caught if "no logger configured" in str(w.message)]
+    assert trainer.callback_metrics["ampguard/optimizer_steps_skipped"] == 0.0
 
 
 def test_callback_keeps_an_existing_guard(L):
