@@ -276,6 +276,8 @@ _OPTION_DOCS = """
     - ``schedulers`` (bool, True): hold an LR scheduler's step() for steps GradScaler skipped.
     - ``max_consecutive_skips`` (positive int or None, 32): raise LossScaleCollapseError after
       this many skipping updates in a row (None: never by count; the scale may never reach 0).
+    - ``check_unscaled_after`` (positive int or None, 3): after this many skips in a row, replay
+      the backward at scale 1 and raise NonFiniteError if an op makes NaN/Inf gradients at any scale.
     - ``distributed`` (bool, True): every rank takes the same skip decision (one all-reduce).
     - ``closures`` (bool, True): give a Lightning optimizer_step that forgot its closure the closure.
     - ``lint`` (bool, True): warn once about AMP mistakes that do not crash.
@@ -291,7 +293,8 @@ def _given(options: dict[str, Any], unknown: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in options.items() if v is not UNSET}, **unknown}
 
 
-def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET, distributed: bool = UNSET,
+def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
+            check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
             closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
             devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Guard:
     """Patch torch (and Lightning when the program imports it) process-wide; return the active Guard.
@@ -302,6 +305,7 @@ def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNS
     starts from the defaults and the environment again.
     """
     options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+                      "check_unscaled_after": check_unscaled_after,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
     global _installed
@@ -347,7 +351,8 @@ def _settle(g: Guard | None, error: bool) -> None:
 
 
 @contextlib.contextmanager
-def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET, distributed: bool = UNSET,
+def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
+          check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
           closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
           devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Iterator[Guard]:
     """A block under a guard of its own: fresh counters, these options on top of the outer guard's
@@ -357,6 +362,7 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
     exception leaves the block, they are dropped and that exception is the one you see.
     """
     options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+                      "check_unscaled_after": check_unscaled_after,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
     with _lock:

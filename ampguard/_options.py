@@ -128,7 +128,8 @@ SPECS: dict[str, OptionSpec] = {}
 
 _BOOL_TEXT = "1/0, true/false, yes/no or on/off"
 _TEXT = {"schedulers": _BOOL_TEXT, "distributed": _BOOL_TEXT, "closures": _BOOL_TEXT, "lint": _BOOL_TEXT,
-         "max_consecutive_skips": "a positive integer or 'none'", "nonfinite": "raise, warn or off",
+         "max_consecutive_skips": "a positive integer or 'none'",
+         "check_unscaled_after": "a positive integer or 'none'", "nonfinite": "raise, warn or off",
          "trace": "replay, eager or off (deferred is accepted as replay)",
          "devices": "all, or device types separated by commas, such as cuda or cuda,cpu"}
 
@@ -153,6 +154,15 @@ _spec(
     _env_skips,
     "Raise LossScaleCollapseError after this many GradScaler updates in a row that skipped a step. "
     "The scale also may never reach 0, whatever this says.",
+)
+_spec(
+    "check_unscaled_after",
+    3,
+    "a positive integer, or None to never check (env: an integer or 'none')",
+    _check_skips,
+    _env_skips,
+    "After this many GradScaler skips in a row, replay the backward at scale 1 (the failure path only) to tell "
+    "an op whose gradients are NaN/Inf at every scale from an overflow, and raise NonFiniteError naming it.",
 )
 
 _spec(
@@ -235,6 +245,7 @@ class Options:
 
     schedulers: bool = True
     max_consecutive_skips: int | None = 32
+    check_unscaled_after: int | None = 3
     distributed: bool = True
     closures: bool = True
     lint: bool = True

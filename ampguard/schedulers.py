@@ -55,6 +55,7 @@ class ScalerRecord:
     iteration_scale: float | None = None
     iteration_tracker: float = 0.0
     consecutive_skips: int = 0
+    updates: int = 0  # tracked updates since the first, to tell a scale still calibrating
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
 
@@ -170,7 +171,13 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     if pending:
         record.iteration_scale = values[i]
         record.iteration_tracker = values[i + 1]
-    settle()  # the other features' checks that rode on this read; may raise NonFiniteError
+    streak = record.consecutive_skips + 1 if record.iteration_skipped else 0
+    sinks = sys.modules.get("ampguard.nonfinite.sinks")
+    if streak and streak == g.options.check_unscaled_after and sinks is not None:
+        # The failure path: are the gradients non-finite without any scaling? Settles first.
+        sinks.check_unscaled(g, settle, streak, scale=record.iteration_scale)
+    else:
+        settle()  # the other features' checks that rode on this read; may raise NonFiniteError
     return values[-1] if extra is not None else None
 
 
@@ -257,6 +264,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     if scale is None:  # update() without any tracked step this iteration
         return
     record.history.append(scale)
+    record.updates += 1
     if skipped:
         record.consecutive_skips += 1
         record.skipped_in_run.update(dict.fromkeys(skipped))
@@ -304,16 +312,41 @@ def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, 
         f"  the next scale would be {predicted:g}; at 0 the unscaled gradients become NaN without GradScaler "
         "noticing, and the parameters turn NaN.\n"
         "  The parameters are still the last finite ones: nothing was applied from the overflowing steps.\n"
-        "  Likely causes:\n"
-        "    - the forward pass already overflows fp16 (the loss itself is inf/NaN); GradScaler cannot fix that.\n"
-        "      Find the op with ampguard's non-finite tracing or torch.autograd.detect_anomaly.\n"
-        "    - the parameters are already inf/NaN (a bad checkpoint, or an earlier step without a GradScaler).\n"
-        "    - a custom autograd Function or loss that produces inf gradients whatever the scale.\n"
-        "    - a learning rate so high that training diverged.\n"
-        "  Fix: find the overflowing op, or train in bf16 autocast (no GradScaler needed); "
-        "raise max_consecutive_skips only if the scale is still calibrating."
-    )
+        + "\n".join(_causes(g, record, history)))
     return LossScaleCollapseError(message, optimizers=names, scale_history=history)
+
+
+def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
+    """Only the causes that fit what ampguard saw: was the loss checked, is the scale still calibrating,
+    did the scale-1 replay run."""
+    checked = "nonfinite" in g._on and g.options.nonfinite == "raise"
+    calibrating = record.consecutive_skips == record.updates  # no update since the first one let a step through
+    unscaled = g.options.check_unscaled_after
+    lines = ["  What ampguard saw:"]
+    if calibrating:
+        lines.append(f"    - every update since the first skipped ({record.consecutive_skips} of them): the scale may "
+                     f"still be calibrating down from {history[0]:g} (a large init_scale). Then the fix is a "
+                     "smaller init_scale, or a larger max_consecutive_skips.")
+    if checked:
+        lines.append("    - the loss was finite at every one of these steps (ampguard checked it), so the forward "
+                     "pass is not the cause and the parameters were finite.")
+        if unscaled is not None and record.consecutive_skips >= unscaled and ("nonfinite" in g._on) and \
+                g.options.trace != "off":
+            lines.append(f"    - replayed at scale 1 after {unscaled} skips, the gradients were finite: the overflow "
+                         "happens only at the scales tried, in fp16 activations' gradients (they exceed 65504). "
+                         "Fix: train in bf16 autocast (no GradScaler needed), or keep the largest activations in "
+                         "float32.")
+        else:
+            lines.append("    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
+                         "sqrt or pow at 0): check_unscaled_after (off or not reached here) replays the step at "
+                         "scale 1 and names it.")
+    else:
+        lines.append("    - the forward pass may already overflow fp16 (an inf/NaN loss), or the parameters may be "
+                     "inf/NaN: ampguard's non-finite check is off (nonfinite='raise' finds the op), or "
+                     "torch.autograd.detect_anomaly.")
+    if not calibrating:
+        lines.append("    - a learning rate so high that training diverged.")
+    return lines
 
 
 # -- LRScheduler.step ----------------------------------------------------------------------

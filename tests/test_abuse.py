@@ -135,3 +135,98 @@ def test_python_m_ampguard_gives_an_absolute_file_and_passes_interpreter_flags_o
     assert proc.stdout.strip() == "True flags.py True True 1 ['default', 'error::DeprecationWarning']"
     proc = python(None, "-m", "ampguard", "-W", cwd=tmp_path)
     assert proc.returncode == 2 and "argument expected for the -W option" in proc.stderr
+
+
+# -- NaNs that GradScaler would swallow ---------------------------------------------------------------
+class SqrtAtZero(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.sqrt(h * 0)  # INF IN BACKWARD AT EVERY SCALE
+
+
+def fp16_scaled_steps(model, steps, **scaler_kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    x = torch.randn(3, 4)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    return scaler
+
+
+def test_a_backward_nan_that_no_loss_scale_fixes_is_named_after_three_skips_not_at_the_collapse():
+    g = ampguard.install()
+    model = SqrtAtZero()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fp16_scaled_steps(model, 10)
+    err = info.value
+    assert err.op == "torch.sqrt" and err.sink == "gradients at every loss scale"
+    assert err.origin[-1].lineno == line_of(SqrtAtZero.forward, "INF IN BACKWARD AT EVERY SCALE")
+    assert "GradScaler skipped 3 optimizer steps in a row" in str(err)
+    assert g.stats.optimizer_steps_skipped == 3 and g.stats.scheduler_steps_held == 2  # the 3rd raised first
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_genuine_overflow_streak_only_skips():
+    g = ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    scaler = fp16_scaled_steps(model, 30, init_scale=2.0 ** 40)  # fp16 backward overflows until it backs off
+    assert g.stats.optimizer_steps_skipped >= 3 and g.stats.nonfinite_detected == 0
+    assert scaler.get_scale() < 2.0 ** 20
+
+
+def test_the_unscaled_check_can_be_switched_off():
+    g = ampguard.install(check_unscaled_after=None, max_consecutive_skips=5)
+    with pytest.raises(ampguard.LossScaleCollapseError):
+        fp16_scaled_steps(SqrtAtZero(), 10)
+    assert g.stats.nonfinite_detected == 0
+
+
+def line_of(function, marker):
+    import inspect
+
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+# -- the collapse error says only what fits --------------------------------------------------------------
+def test_a_collapse_with_a_checked_finite_loss_does_not_blame_the_forward_pass():
+    ampguard.install(check_unscaled_after=None, max_consecutive_skips=5)
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(SqrtAtZero(), 10)
+    message = str(info.value)
+    assert "the loss was finite at every one of these steps" in message
+    assert "the forward pass may already overflow" not in message
+    assert "check_unscaled_after (off or not reached here) replays the step at scale 1" in message
+
+
+def test_a_collapse_while_the_scale_is_still_calibrating_says_so():
+    ampguard.install(max_consecutive_skips=4)  # the scale-1 check after 3 skips finds the gradients finite
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(model, 10, init_scale=2.0 ** 60)
+    message = str(info.value)
+    assert "every update since the first skipped (4 of them): the scale may still be calibrating down from" in message
+    assert "replayed at scale 1 after 3 skips, the gradients were finite" in message
+    assert "learning rate" not in message and "the forward pass may already overflow" not in message
+
+
+def test_a_collapse_without_the_nonfinite_check_names_the_forward_pass_as_possible():
+    ampguard.install(nonfinite="off", max_consecutive_skips=5)
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(SqrtAtZero(), 10)
+    assert "the forward pass may already overflow fp16" in str(info.value)

@@ -251,7 +251,10 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, origin=origin)
 
 
-def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, Any, list[str]]:
+def _replay_backward(g: _guard.Guard, window: list, losses: list,
+                     found_kinds: set | None = None) -> tuple[Any, Any, list[str]]:
+    """(the forward op, your stack at it, the lines) of the first backward node that made finite
+    gradients non-finite in a replay (at scale 1: the recorded loss is the unscaled one)."""
     session = replay.Session()
     with replay.untouched(window), replay.anomaly_metadata():
         replay.run_window(session, window)
@@ -270,6 +273,8 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, 
         found = replay.backward_origin(session, loss, params)
     if not found:
         return None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
+    if found_kinds is not None:
+        found_kinds.update(found["kinds"])
     m = _NODE.match(found["node"])
     forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
     own, user_site, user = report.sites(found["frames"])
@@ -278,6 +283,40 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list) -> tuple[Any, 
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, report.stack_summary(user) if user else None, [*lines, *how]
+
+
+# -- GradScaler's skips: gradients non-finite at every scale ---------------------------------------
+def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: float | None) -> None:
+    """GradScaler skipped ``streak`` steps in a row; the backward replayed at scale 1 tells an op whose
+    gradients are non-finite at every scale (raise, naming it) from an overflow (return: only skips)."""
+    __tracebackhide__ = True
+    if not any(type(c) is Call and c.grad for c in window):
+        return
+    kinds: set = set()
+    try:
+        op, origin, lines = _replay_backward(g, window, losses, kinds)
+    except (AmpGuardError, AmpGuardWarning):
+        raise
+    except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on
+        log.error("ampguard: the scale-1 replay after %d GradScaler skips failed", streak, exc_info=exc)
+        return
+    if op is None:
+        return  # finite at scale 1: a genuine overflow, which GradScaler's backing off handles
+    kind = replay.primary(frozenset(kinds)) or "nan"
+    sink = "gradients at every loss scale"
+    if not _first_time(g, (sink, op)):
+        return
+    g.stats.nonfinite_detected += 1
+    at = f" (loss scale {scale:g})" if scale is not None else ""
+    head = [f"ampguard: GradScaler skipped {streak} optimizer steps in a row{at} because of inf/NaN gradients, "
+            f"and replayed at scale 1 the gradients are still {report.kind_word(kind)}: no loss scale can fix "
+            "them, and without this check the scale would collapse.",
+            "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
+            "without scaling the loss."]
+    tail = ["  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or pow "
+            "at 0, log near 0, division by a small value, the torch.where trick). This check runs after "
+            f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
+    emit(g, NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, origin=origin))
 
 
 # -- parameters a step made non-finite -------------------------------------------------------

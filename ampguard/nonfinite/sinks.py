@@ -148,6 +148,7 @@ class _Thread(threading.local):
         self.tape: Any = None  # the loss-code recorder, while it is on torch's mode stack
         self.taping = False  # record into the window (off while paused or full)
         self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
+        self.keep_window = False  # a clean read keeps the window: GradScaler's skips are checked at scale 1 next
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
         self.stepped: dict[int, tuple] = {}  # id(optimizer) -> (weakref, steps at its latest step)
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
@@ -663,8 +664,7 @@ def _collect() -> list:
             layout.append((p, at))
     T.reading = layout
     if not layout:
-        _clear_window()  # a read with nothing left to read is a clean read
-        return []
+        return []  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
     if len(statuses) == 1:
         return [statuses[0].reshape(1)]
@@ -688,9 +688,26 @@ def _consume(values: list[float]) -> None:
             failed = p
             break
     if failed is None:
-        _clear_window()
+        if not T.keep_window:
+            _clear_window()
         return
     _failure.fail(_guard.current(FEATURE), failed)
+
+
+def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None) -> None:
+    """GradScaler skipped ``streak`` updates in a row: after this read's own checks, replay the backward
+    at scale 1. Non-finite gradients there are made by an op at every scale, and no scale will fix them."""
+    __tracebackhide__ = True
+    T.keep_window = True
+    try:
+        settle()  # a non-finite loss is reported as such first, with its forward op
+    finally:
+        T.keep_window = False
+    window, losses = T.window, T.losses
+    _clear_window()
+    if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
+        return
+    _failure.unscaled(g, window, losses, streak, scale)
 
 
 def _finite_after_all(p: Pending) -> bool:
@@ -720,7 +737,7 @@ def check() -> None:
     end_tape()  # the read's own ops are not the user's loss code
     if T.pending:
         _sync.read([])[1]()
-    elif T.window:
+    if T.window and not T.pending:  # a read with nothing left to read (every output dropped) is clean
         _clear_window()
 
 
