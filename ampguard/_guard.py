@@ -332,8 +332,8 @@ def uninstall() -> None:
     global _installed
     with _lock:
         g = _installed
-        if g is None and not REGISTRY.installed:
-            return
+        if g is None and not REGISTRY.dirty:
+            return  # (dirty: an interrupted install or uninstall left something to finish)
         try:
             if g is not None and active() is g:
                 _settle(g, error=False)  # checks no step consumed are read before the guard goes
@@ -365,33 +365,35 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
                       "check_unscaled_after": check_unscaled_after,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
                       "trace": trace, "devices": devices}, unknown)
-    with _lock:
-        outer = active()
-        try:
-            resolved = outer.options.replace(**options) if outer is not None else _options.resolve(options)
-        except _options.ConfigError as error:
-            raise error.with_traceback(None) from None  # checked before patching: nothing to undo
-        _ensure_installed()
-        g = Guard(resolved)
-        stack = _blocks.setdefault(threading.get_ident(), [])
-        stack.append(g)
-        _LOCAL.guard = g
-        _update_switches()
+    ident = threading.get_ident()
+    g: Guard | None = None
     error = True
-    try:
+    try:  # from the first step on: an interrupt anywhere in entering is undone by the finally below
+        with _lock:
+            outer = active()
+            try:
+                resolved = outer.options.replace(**options) if outer is not None else _options.resolve(options)
+            except _options.ConfigError as exc:
+                raise exc.with_traceback(None) from None  # checked before patching: nothing to undo
+            _ensure_installed()
+            g = Guard(resolved)
+            _blocks.setdefault(ident, []).append(g)
+            _LOCAL.guard = g
+            _update_switches()
         yield g
         error = False
     finally:
         with _lock:
+            stack = _blocks.get(ident, [])
             try:
-                if _LOCAL.guard is g:
+                if g is not None and _LOCAL.guard is g:
                     _settle(g, error)
             finally:
                 if g in stack:
                     stack.remove(g)
                 _LOCAL.guard = stack[-1] if stack else None
                 if not stack:
-                    _blocks.pop(threading.get_ident(), None)
+                    _blocks.pop(ident, None)
                 _uninstall_if_unused()
 
 

@@ -107,30 +107,43 @@ class Registry:
                 if not self._register_import_hook(module) and module in sys.modules:
                     self._on_import(sys.modules[module])
 
+    @property
+    def dirty(self) -> bool:
+        """Something is still patched or switched on: an uninstall() was interrupted, or is due."""
+        return self.installed or bool(self._records) or bool(self._switched_on)
+
     def uninstall(self) -> None:
+        """Undo everything, one item at a time, each forgotten only once undone: an interrupted
+        uninstall is finished by the next one."""
         with self._lock:
-            if not self.installed:
+            if not self.dirty:
                 return
             self.installed = False
             self._features = frozenset()
-            for off in reversed(list(self._switched_on.values())):
-                off()
-            self._switched_on.clear()
-            for record in reversed(list(self._records.values())):
+            for key in reversed(list(self._switched_on)):
+                self._switched_on[key]()  # off() is idempotent: an interrupted one may run again
+                del self._switched_on[key]
+            for key in reversed(list(self._records)):
+                record = self._records[key]
                 cls = record.cls_ref()
-                if cls is None:
-                    continue
-                current = vars(cls).get(record.name, _MISSING)
-                if current is not record.replacement:
-                    log.warning("%s.%s was replaced by someone else after ampguard patched it; leaving it as it is",
-                                cls.__qualname__, record.name)
-                    continue
-                if record.original is _MISSING:
-                    delattr(cls, record.name)
-                else:
-                    setattr(cls, record.name, record.original)
-            self._records.clear()
+                if cls is not None:
+                    self._restore(cls, record)
+                del self._records[key]
             self._bases.clear()
+
+    @staticmethod
+    def _restore(cls: type, record: _Record) -> None:
+        current = vars(cls).get(record.name, _MISSING)
+        if current is record.original:
+            return  # never replaced (an install interrupted between recording and patching), or restored
+        if current is not record.replacement:
+            log.warning("%s.%s was replaced by someone else after ampguard patched it; leaving it as it is",
+                        cls.__qualname__, record.name)
+            return
+        if record.original is _MISSING:
+            delattr(cls, record.name)
+        else:
+            setattr(cls, record.name, record.original)
 
     def set_features(self, features: frozenset[str]) -> None:
         """Turn each switch on or off to match the features the active guard has on."""
@@ -208,8 +221,10 @@ class Registry:
                 _warn_untouched(cls, target, reason)
                 return
         replacement = wrapt.FunctionWrapper(original, target.wrapper)
-        setattr(cls, target.name, replacement)
+        # Recorded first: an interrupt between the two leaves a record uninstall() resolves, never a
+        # replaced attribute nobody knows about.
         self._records[key] = _Record(weakref.ref(cls), target.name, original, replacement)
+        setattr(cls, target.name, replacement)
 
     def _hook_subclassing(self, base: type) -> None:
         key = (id(base), "__init_subclass__")
@@ -228,8 +243,8 @@ class Registry:
                 registry._on_subclass(cls)
 
         replacement = classmethod(__init_subclass__)
-        base.__init_subclass__ = replacement
         self._records[key] = _Record(weakref.ref(base), "__init_subclass__", original, replacement)
+        base.__init_subclass__ = replacement
 
     def _on_subclass(self, cls: type) -> None:
         # Runs inside the user's class statement: never let an ampguard failure break it.

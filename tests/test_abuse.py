@@ -230,3 +230,102 @@ def test_a_collapse_without_the_nonfinite_check_names_the_forward_pass_as_possib
     with pytest.raises(ampguard.LossScaleCollapseError) as info:
         fp16_scaled_steps(SqrtAtZero(), 10)
     assert "the forward pass may already overflow fp16" in str(info.value)
+
+
+# -- interrupts ----------------------------------------------------------------------------------------
+def _state():
+    from torch.amp.grad_scaler import GradScaler
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
+    return (vars(GradScaler)["update"], vars(GradScaler)["scale"], vars(LRScheduler)["step"],
+            torch.autograd.backward, torch.nn.utils.clip_grad_norm_, warnings.warn,
+            len(module._global_forward_pre_hooks), len(module._global_forward_hooks),
+            len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
+            REGISTRY.dirty, ampguard.active())
+
+
+def _interrupted(n, action):
+    """Run ``action`` with a KeyboardInterrupt raised at the n-th call of an ampguard function (every
+    function of ampguard's own, wherever torch calls it from); True if it was raised. Calls of torch's
+    own code are not places: torch itself does not survive an interrupt inside, say, the __exit__ of
+    its grad-mode context."""
+    import os
+    import sys
+
+    count = 0
+    root = os.path.dirname(ampguard.__file__) + os.sep
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            count += 1
+            if count == n:
+                raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def _guarded_step():
+    with ampguard.guard():
+        model = torch.nn.Linear(2, 1)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("entry", ["install", "guard", "uninstall"])
+def test_a_keyboard_interrupt_at_any_call_of_install_guard_or_uninstall_leaves_nothing_uninstall_cannot_remove(
+        entry):
+    action = {"install": ampguard.install, "guard": _guarded_step, "uninstall": ampguard.uninstall}[entry]
+    # Every first-time import happens here, not in the sweep: an import interrupted half-way breaks
+    # that module for the rest of the process, with or without ampguard.
+    _guarded_step()
+    ampguard.install()
+    action()
+    ampguard.uninstall()
+    clean = _state()
+    n, interrupted = 1, 0
+    while n < 20000:
+        if entry == "uninstall":
+            ampguard.install()
+        if not _interrupted(n, action):
+            break  # the action ran to its end: every call of it was a place of interrupt
+        interrupted += 1
+        ampguard.uninstall()
+        assert _state() == clean, f"interrupted at call {n}"
+        n += 1 if n < 200 else 37  # every call at first, then a deterministic stride
+    ampguard.uninstall()
+    assert interrupted > 20 and _state() == clean
+    g = ampguard.install()  # and everything still works afterwards
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert g.stats.optimizer_steps_applied == 1 and g.stats.nonfinite_detected == 0
+
+
+def test_an_interactive_interrupt_drops_the_abandoned_steps_checks():
+    import sys
+
+    g = ampguard.install()
+    model = torch.nn.Linear(4, 2)
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        model.bias[0] = float("nan")
+    out = model(x)  # a NaN output, held (a notebook keeps `out`): its check is pending  # noqa: F841
+    sys.last_value = KeyboardInterrupt()  # what a REPL or notebook sets when it shows the Ctrl-C
+    try:
+        with torch.no_grad():
+            model.bias[0] = 0.0
+        model(x).sum().backward()  # the next, healthy step: the old call's check is not read
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    finally:
+        del sys.last_value
+    assert g.stats.nonfinite_detected == 0

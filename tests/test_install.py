@@ -147,7 +147,7 @@ def test_import_ampguard_and_install_import_neither_torch_nor_lightning(python):
 
 
 @pytest.mark.parametrize(("options", "fragment"), [
-    ({"bogus": 1}, "unknown option 'bogus'; accepted options: closures, devices, distributed, lint"),
+    ({"bogus": 1}, "unknown option 'bogus'; accepted options: check_unscaled_after, closures, devices, distributed"),
     ({"trace": "lazy"}, "option 'trace' got 'lazy'; accepted values: 'replay', 'eager' or 'off' "
                           "('deferred' is accepted as 'replay')"),
     ({"nonfinite": True}, "option 'nonfinite' got True; accepted values: 'raise', 'warn' or 'off'"),

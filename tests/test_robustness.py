@@ -364,6 +364,7 @@ def test_resume_from_a_checkpoint_keeps_holding_correctly():
 BAD_VALUES = {
     "schedulers": ["yes", 1, None, 0.0],
     "max_consecutive_skips": [0, -3, 2.5, "8", True],
+    "check_unscaled_after": [0, -1, 1.5, "3", False],
     "distributed": ["no", 0, None],
     "closures": ["on", 1.0, []],
     "lint": ["off", None],

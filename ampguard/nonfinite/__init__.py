@@ -43,31 +43,31 @@ def _switch_hooks() -> Any:
     sinks._graph_task_id = torch._C._current_graph_task_id
     sinks._any_autocast = torch._C._is_any_autocast_enabled
     handles: list = []
-    modules_off = None
-    try:
-        modules_off = outermost.switch_on(_enter, _exit, sinks.nested)
-        handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
-        handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))
-    except BaseException:
+    modules_off: Any = None
+    ignore: Any = None
+
+    def off() -> None:  # idempotent: an interrupted uninstall runs it again
         for h in handles:
             h.remove()
         if modules_off is not None:
             modules_off()
-        raise
-    warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
-    ignore = warnings.filters[0]
-
-    def off() -> None:
-        for h in handles:
-            h.remove()
-        modules_off()
         _eager_names_off()
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
-        with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already
-            warnings.filters.remove(ignore)
-            warnings._filters_mutated()
+        if ignore is not None:
+            with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already
+                warnings.filters.remove(ignore)
+                warnings._filters_mutated()
 
+    try:  # an interrupt anywhere here undoes what was done (the registry never saw this switch on)
+        modules_off = outermost.switch_on(_enter, _exit, sinks.nested)
+        handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
+        handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))
+        warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
+        ignore = warnings.filters[0]
+    except BaseException:
+        off()
+        raise
     return off
 
 

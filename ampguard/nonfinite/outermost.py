@@ -80,12 +80,15 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
         H.ids = (first, first + 1)
         H.dict = nn_module._global_forward_pre_hooks
         H.suspended = 0
-        H.handle = nn_module.register_module_forward_pre_hook(_global_pre)
+        H.handle = handle = nn_module.register_module_forward_pre_hook(_global_pre)
 
-    def off() -> None:
+    def off() -> None:  # idempotent, and only ever undoes this registration
         with _lock:
+            handle.remove()
+            if H.handle is not handle:
+                return
             H.generation += 1
-            H.handle.remove()
+            H.handle = None
             H.suspended = 0
             for module in list(H.attached.values()):
                 _detach(module)
@@ -110,7 +113,7 @@ def forget() -> None:
 def _suspend() -> None:
     with _lock:
         H.suspended += 1
-        if H.suspended == 1 and H.dict is not None:
+        if H.suspended == 1 and H.dict is not None and H.handle is not None:
             H.dict.pop(H.handle.id, None)
 
 
@@ -119,7 +122,7 @@ def _resume(generation: int) -> None:
         if generation != H.generation:
             return  # switched off (and maybe on again) since: that registration is gone
         H.suspended = max(H.suspended - 1, 0)
-        if H.suspended == 0 and H.dict is not None:
+        if H.suspended == 0 and H.dict is not None and H.handle is not None:
             H.dict[H.handle.id] = _global_pre
 
 

@@ -149,6 +149,7 @@ class _Thread(threading.local):
         self.taping = False  # record into the window (off while paused or full)
         self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
         self.keep_window = False  # a clean read keeps the window: GradScaler's skips are checked at scale 1 next
+        self.last_shown = id(None)  # id of the exception an interactive shell showed last (sys.last_value)
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
         self.stepped: dict[int, tuple] = {}  # id(optimizer) -> (weakref, steps at its latest step)
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
@@ -299,6 +300,10 @@ def enter(module: Any, frame: Any) -> int:
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = T.taping and not _torch.is_grad_enabled()
     end_tape()
+    shown = id(getattr(sys, "last_value", None))
+    if shown != T.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
+        T.last_shown = shown
+        drop(g)
     if T.pending and (T.backward_since_read or any(type(c) is Call and c.module is module for c in T.window)):
         check()  # the previous call's checks: no step consumed them
     T.resume_tape = resume
