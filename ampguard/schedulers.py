@@ -22,6 +22,7 @@ import dataclasses
 import math
 import struct
 import sys
+import time
 import weakref
 from collections import deque
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from . import _guard, _sync
 from ._errors import AmpGuardError, LossScaleCollapseError
 from ._fallback import fail_safe, internal_failure
+from ._frames import warn_at_user
 from ._guard import DEPTH, Guard
 from ._patching import REGISTRY, Switch, Target
 
@@ -190,7 +192,8 @@ class _Ranks:
 
 
 def _ranks(g: Guard, scaler: Any) -> _Ranks | None:
-    """The process group whose ranks must agree, or None outside a distributed run."""
+    """The process group whose ranks must agree, or None outside a distributed run (or where not every
+    rank is guarded: then each rank decides alone, and none waits for a collective the others skip)."""
     if not g.options.distributed:
         return None
     dist = sys.modules.get("torch.distributed")
@@ -198,7 +201,50 @@ def _ranks(g: Guard, scaler: Any) -> _Ranks | None:
         return None
     group = getattr(scaler, "process_group", None)
     world = dist.get_world_size(group)
-    return _Ranks(dist, group, dist.get_rank(group), world) if world > 1 else None
+    if world <= 1 or not _every_rank_guarded(dist, group, world):
+        return None
+    return _Ranks(dist, group, dist.get_rank(group), world)
+
+
+HANDSHAKE_TIMEOUT_S = 60.0  # how long the first update() waits for the other ranks to say they are guarded
+_handshakes: dict[tuple, bool] = {}
+
+
+def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
+    """Once per process group, before ampguard's first collective: is every rank of it guarded?
+
+    A rank started without the guard (a launcher that did not pass AMPGUARD=1 on) never joins
+    ampguard's all-reduce, and the guarded ranks would wait in it forever. Each guarded rank counts
+    itself in the group's store and waits up to HANDSHAKE_TIMEOUT_S for the others; the first rank to
+    decide writes the verdict with an atomic compare-and-set, so every rank takes the same one, even
+    a guarded rank that arrives after the timeout.
+    """
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    known = _handshakes.get(key)
+    if known is not None:
+        return known
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a torch without it: trust that every rank is guarded, as before
+        return True
+    prefix = f"ampguard/handshake/{'-'.join(map(str, ranks[:64]))}/{len(ranks)}/"
+    arrived = int(store.add(prefix + "arrived", 1))
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    while arrived < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+        arrived = int(store.add(prefix + "arrived", 0))
+    verdict = store.compare_set(prefix + "verdict", "", "all" if arrived >= world else "local")
+    ok = (verdict.decode() if isinstance(verdict, bytes) else str(verdict)) == "all"
+    _handshakes[key] = ok
+    if not ok:
+        warn_at_user(
+            f"ampguard: not every rank of this run is guarded: {arrived} of {world} ranks reached ampguard's first "
+            f"decision within {HANDSHAKE_TIMEOUT_S:g} s. A rank started without the guard (a launcher that did not "
+            "pass AMPGUARD=1 on) never joins ampguard's all-reduce, so every guarded rank now takes its GradScaler "
+            "decisions alone, without a collective, and none waits for the others. Start every rank under "
+            "AMPGUARD=1 or python -m ampguard (torchrun and Lightning pass the environment on) to have them agree.")
+    return ok
 
 
 def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any) -> Any:

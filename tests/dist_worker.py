@@ -123,7 +123,37 @@ def ddp_nan_origin(rank):
         return {"op": err.op, "module": err.module, "kind": err.kind, "sink": err.sink, "ops": ops}
 
 
-SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin}
+def one_rank_unguarded(rank):
+    """Rank 1 runs without ampguard (a launcher that did not pass AMPGUARD=1 on): rank 0 must not wait forever
+    in an all-reduce rank 1 never makes; it says so once and decides alone."""
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    g = None
+    if rank == 0:
+        import ampguard
+        from ampguard import schedulers
+
+        schedulers.HANDSHAKE_TIMEOUT_S = 3.0
+        g = ampguard.install()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return {"seconds": time.monotonic() - start, "applied": g.stats.optimizer_steps_applied if g else None,
+            "warnings": [str(w.message) for w in caught if "not every rank" in str(w.message)]}
+
+
+SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
+             "one_rank_unguarded": one_rank_unguarded}
 
 
 def worker(rank, scenario, port, out_dir):

@@ -33,6 +33,13 @@ def test_ddp_with_a_grad_scaler_holds_identically_on_every_rank(python):
     assert r0["scheduler_warnings"] == []
 
 
+def test_a_rank_without_the_guard_makes_no_guarded_rank_wait_forever(python):
+    r0, r1 = run_ranks(python, "one_rank_unguarded")  # run_ranks has a 120 s limit: a hang fails the test
+    assert len(r0["warnings"]) == 1 and "1 of 2 ranks reached ampguard's first decision" in r0["warnings"][0]
+    assert r0["applied"] == 4 and r1["warnings"] == []
+    assert r0["seconds"] < 60  # one handshake timeout (3 s here), once
+
+
 def test_sharded_grad_scaler_disagreement_raises_on_every_rank(python):
     r0, r1 = run_ranks(python, "sharded_fused")
     # without ampguard (and with distributed=False) the ranks silently diverge
