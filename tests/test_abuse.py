@@ -329,3 +329,37 @@ def test_an_interactive_interrupt_drops_the_abandoned_steps_checks():
     finally:
         del sys.last_value
     assert g.stats.nonfinite_detected == 0
+
+
+# -- backward origins name the user's lines ------------------------------------------------------------
+def test_a_backward_nan_made_in_the_loss_code_is_named_at_the_loss_line_not_at_the_step():
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(torch.randn(3, 4))
+    loss = torch.sqrt(out * 0).sum()  # LOSS CODE SQRT
+    loss.backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()  # STEP LINE
+    err = info.value
+    assert err.op == "torch.sqrt"
+    me = test_a_backward_nan_made_in_the_loss_code_is_named_at_the_loss_line_not_at_the_step
+    assert err.origin[-1].lineno == line_of(me, "LOSS CODE SQRT")
+    assert "ampguard" not in str(err).split("Its forward op is at")[1].split("\n")[1]
+    assert all(f.lineno != line_of(me, "STEP LINE") for f in err.origin)
+
+
+def test_a_backward_nan_made_in_the_model_ends_its_stack_at_the_model_call_not_at_the_step():
+    ampguard.install()
+    model = SqrtAtZero()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    me = test_a_backward_nan_made_in_the_model_ends_its_stack_at_the_model_call_not_at_the_step
+    loss = model(torch.randn(3, 4)).pow(2).mean()  # MODEL CALL
+    loss.backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()  # STEP LINE
+    origin = info.value.origin
+    assert origin[-1].lineno == line_of(SqrtAtZero.forward, "INF IN BACKWARD AT EVERY SCALE")
+    assert origin[0].lineno == line_of(me, "MODEL CALL")  # the outermost of your frames: the model call
+    assert all(f.lineno != line_of(me, "STEP LINE") for f in origin)

@@ -277,7 +277,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         found_kinds.update(found["kinds"])
     m = _NODE.match(found["node"])
     forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
-    own, user_site, user = report.sites(found["frames"])
+    own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
     lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
              f"{report.kinds_words(found['kinds'])}. Its forward op is at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:

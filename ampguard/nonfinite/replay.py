@@ -66,6 +66,8 @@ class Session:
         self.keep: list = []  # originals whose ids are keys of mapping, kept alive while it is used
         self.unreplayed: dict[int, str] = {}  # window event index -> why it was not re-run
         self.replayed: dict[tuple[int, Any], Any] = {}  # (event index, key) -> the replayed output
+        self.node_event: dict[int, int] = {}  # id(autograd node the replay made) -> the window event that made it
+        self.nodes: list = []  # those nodes, alive while the ids are used
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
@@ -344,6 +346,7 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
             T.replay_stack = []
             session.site = None
         _map_outputs(session, index, out)
+        _claim_nodes(session, index, out)
     else:
         op: TapeOp = event
         args = _map(session, op.args, True, "an input of the loss code")
@@ -355,6 +358,40 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         finally:
             session.frames = None
         _map_outputs(session, index, out)
+        _claim_nodes(session, index, out)
+
+
+def _claim_nodes(session: Session, index: int, out: Any) -> None:
+    """Every autograd node this event made: from its outputs back to the nodes earlier events made.
+    A backward origin is then named at the event's own line (the loss code's, or the model call's)
+    rather than at the replay's stack."""
+    torch = sinks._torch
+    outs = [out] if isinstance(out, torch.Tensor) else [t for t, _ in sinks.floating(out)]
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in session.node_event:
+            continue
+        session.node_event[id(node)] = index
+        session.nodes.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+
+
+def event_frames(session: Session, window: list, node_id: int, parsed: tuple) -> tuple:
+    """The frames to name a backward origin by: a loss-code op's recorded frames; for a node made inside
+    a module call, its forward stack down to the model, then the user's call of the model."""
+    index = session.node_event.get(node_id)
+    if index is None or index >= len(window):
+        return parsed
+    event = window[index]
+    if type(event) is TapeOp:
+        return event.frames
+    inner = []
+    for frame in parsed:  # innermost first; the replay's own frames start at _run_event
+        if frame[2] == "_run_event" and frame[0].endswith("replay.py"):
+            break
+        inner.append(frame)
+    return (*inner, event.site) if event.site else tuple(inner)
 
 
 def _map_outputs(session: Session, index: int, out: Any) -> None:
@@ -453,7 +490,8 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
             bad = [kinds(g) for g in outgoing]
             if any(bad) and not any(kinds(g) for g in incoming):
                 stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-                found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []))
+                found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []),
+                             node_id=id(node))
 
         handles.append(node.register_hook(hook))
     inputs = [p for p in params if p.requires_grad]
