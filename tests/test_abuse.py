@@ -363,3 +363,65 @@ def test_a_backward_nan_made_in_the_model_ends_its_stack_at_the_model_call_not_a
     assert origin[-1].lineno == line_of(SqrtAtZero.forward, "INF IN BACKWARD AT EVERY SCALE")
     assert origin[0].lineno == line_of(me, "MODEL CALL")  # the outermost of your frames: the model call
     assert all(f.lineno != line_of(me, "STEP LINE") for f in origin)
+
+
+class MySqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad / (2 * y)  # CUSTOM BACKWARD: inf at 0
+
+
+class WithCustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return MySqrt.apply(self.fc(x) * 0)  # APPLIED HERE
+
+
+def test_a_custom_autograd_function_is_named_by_its_class_with_its_backward_line():
+    ampguard.install()
+    model = WithCustomOp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    message = str(info.value)
+    assert info.value.op == "MySqrt.apply" and "torch.mySqrt" not in message
+    assert f"test_abuse.py:{line_of(MySqrt.backward, 'def backward')}" in message
+    assert f"test_abuse.py:{line_of(WithCustomOp.forward, 'APPLIED HERE')}" in message
+    assert "autograd/function.py" not in message
+
+
+class HookedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(4, 4)
+        self.inner.register_forward_hook(lambda m, a, out: torch.log(out))  # HOOK LOG: NaN where negative
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_code_in_a_modules_own_forward_hook_is_attributed_to_that_module():
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        HookedBlock()(torch.randn(8, 4)).sum().backward()
+        ampguard.nonfinite.check()
+    assert info.value.op == "torch.log" and info.value.module == "inner", str(info.value)
+
+
+def test_one_element_reads_as_one_element():
+    from ampguard.nonfinite import report
+
+    assert report.describe_tensor(torch.tensor(float("nan"))).endswith("of 1 element")

@@ -275,14 +275,34 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         return None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
     if found_kinds is not None:
         found_kinds.update(found["kinds"])
-    m = _NODE.match(found["node"])
-    forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
+    function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
-    lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
-             f"{report.kinds_words(found['kinds'])}. Its forward op is at\n    {report.where(own)}"]
+    if function is not None:  # a custom autograd.Function: its class, and the backward it defines
+        forward = f"{function.__qualname__}.apply"
+        lines = [f"  The backward of {forward} (the custom autograd.Function {function.__qualname__}) turned finite "
+                 f"gradients into {report.kinds_words(found['kinds'])}. Its backward is at\n    "
+                 f"{report.where(_backward_site(function))}\n  and it was applied at\n    {report.where(own)}"]
+    else:
+        m = _NODE.match(found["node"])
+        forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
+        lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
+                 f"{report.kinds_words(found['kinds'])}. Its forward op is at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, report.stack_summary(user) if user else None, [*lines, *how]
+
+
+def _backward_site(function: type) -> tuple | None:
+    """(file, line, name) of a custom autograd.Function's backward, for the message."""
+    import inspect
+
+    try:
+        backward = inspect.unwrap(function.backward)
+        lines, start = inspect.getsourcelines(backward)
+        at = next((i for i, text in enumerate(lines) if text.lstrip().startswith("def ")), 0)  # past decorators
+        return inspect.getsourcefile(backward), start + at, backward.__qualname__
+    except (OSError, TypeError):
+        return None
 
 
 # -- GradScaler's skips: gradients non-finite at every scale ---------------------------------------

@@ -242,13 +242,16 @@ def _names_hooks() -> list:
 
     def push(module: Any, args: Any) -> None:
         T.replay_stack.append(module)
+        # Popped by an instance hook registered now, so it runs after the module's own forward hooks
+        # (a global one would run before them, and their ops would be named after the parent).
+        handle = module.register_forward_hook(lambda m, a, o: pop(m, handle), always_call=True)
 
-    def pop(module: Any, args: Any, output: Any) -> None:
+    def pop(module: Any, handle: Any) -> None:
+        handle.remove()
         if T.replay_stack and T.replay_stack[-1] is module:
             T.replay_stack.pop()
 
-    return [nn_module.register_module_forward_pre_hook(push),
-            nn_module.register_module_forward_hook(pop, always_call=True)]
+    return [nn_module.register_module_forward_pre_hook(push)]
 
 
 class Freed(Exception):
@@ -491,7 +494,7 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
             if any(bad) and not any(kinds(g) for g in incoming):
                 stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
                 found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []),
-                             node_id=id(node))
+                             node_id=id(node), function=getattr(node, "_forward_cls", None))
 
         handles.append(node.register_hook(hook))
     inputs = [p for p in params if p.requires_grad]

@@ -20,7 +20,7 @@ _PLUMBING = tuple(os.path.join("torch", p) for p in (
     "_ops.py", os.path.join("utils", "_python_dispatch.py"), "overrides.py", os.path.join("utils", "_contextlib.py"),
     os.path.join("autograd", "grad_mode.py"), os.path.join("amp", "autocast_mode.py"),
     os.path.join("_dynamo", "eval_frame.py"), os.path.join("nn", "modules", "module.py"), "_compile.py",
-    os.path.join("utils", "_pytree.py"), "_jit_internal.py"))
+    os.path.join("utils", "_pytree.py"), "_jit_internal.py", os.path.join("autograd", "function.py")))
 _LIBRARIES: tuple[str, ...] = ()
 
 
@@ -71,7 +71,8 @@ def describe_tensor(tensor: Any) -> str:
         pos = int(torch.isposinf(t).sum())
         neg = int(torch.isneginf(t).sum())
         finite = t[torch.isfinite(t)]
-        text = f"shape {tuple(t.shape)}, {t.dtype}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} elements"
+        text = f"shape {tuple(t.shape)}, {t.dtype}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
+            f"element{'s' if t.numel() != 1 else ''}"
         if finite.numel():
             amax = float(finite.abs().max())
             limit = _LIMITS.get(str(t.dtype))
