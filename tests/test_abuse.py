@@ -425,3 +425,31 @@ def test_one_element_reads_as_one_element():
     from ampguard.nonfinite import report
 
     assert report.describe_tensor(torch.tensor(float("nan"))).endswith("of 1 element")
+
+
+# -- a NaN that comes from a Python number ----------------------------------------------------------------
+def test_a_nan_python_number_is_named_as_such_by_the_replay_and_by_eager_mode():
+    ampguard.install()
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        (model(torch.ones(2, 4)).sum() * float("nan")).backward()
+        ampguard.nonfinite.check()
+    assert "tensor inputs finite, but it was given the Python number nan" in str(info.value)
+    ampguard.uninstall()
+    ampguard.install(trace="eager")
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.ones(2, 4)).sum() * float("nan")
+    assert "created NaN from the Python number nan it was given" in str(info.value)
+
+
+def test_eager_mode_still_blames_only_ops_whose_inputs_had_no_nan():
+    ampguard.install(trace="eager", nonfinite="warn")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logs = torch.log(model(torch.randn(3, 4)) - 10)  # the log makes NaN
+        loss = logs.sum()  # the sum only carries it: its input already had NaN
+        del loss, logs
+    ours = [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    assert len(ours) == 1 and "torch.log created NaN" in ours[0], ours

@@ -173,6 +173,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     else:
         finite = "inputs finite but for a mask" if result["masks"] and result["path"][0] == result["origin"] else \
             "inputs finite"
+        if rec.numbers:
+            finite = f"tensor inputs finite, but it was given the Python number {rec.numbers[0]!r}"
         lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
                      f"    {report.where(own)}")
         if user_site is not None and user_site != own:
@@ -364,7 +366,7 @@ def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
 
 
 # -- eager -----------------------------------------------------------------------------------
-def check_eager(op: sinks.TapeOp, outs: list) -> None:
+def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None:
     """trace='eager': stop at the op that made a NaN from inputs without one, as it runs."""
     __tracebackhide__ = True
     torch = sinks._torch
@@ -374,7 +376,9 @@ def check_eager(op: sinks.TapeOp, outs: list) -> None:
             return
         from torch.utils._pytree import tree_leaves
 
-        inputs = [t for t in tree_leaves((op.args, op.kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        leaves = tree_leaves((args, kwargs))
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        numbers = [v for v in leaves if isinstance(v, float) and v != v]
         if any(bool(torch.isnan(t).any()) for t in inputs):
             return
     g = _guard.current(sinks.FEATURE)
@@ -385,7 +389,8 @@ def check_eager(op: sinks.TapeOp, outs: list) -> None:
     stack = T.eager_stack
     module = report.module_path(stack[0], stack[-1]) if stack else None
     own, user_site, user = report.sites(op.frames)
-    lines = [f"ampguard: {label} created NaN from inputs without NaN"
+    how = f"from the Python number {numbers[0]!r} it was given" if numbers else "from inputs without NaN"
+    lines = [f"ampguard: {label} created NaN {how}"
              + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")

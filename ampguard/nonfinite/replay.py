@@ -19,6 +19,7 @@ turned finite incoming gradients into non-finite ones is the origin, named by it
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 import warnings
@@ -33,8 +34,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("constant", "dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "ref", "root",
-                 "shape")
+    __slots__ = ("constant", "dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "numbers", "ref",
+                 "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool) -> None:
@@ -50,6 +51,7 @@ class OpRecord:
         self.ref = ref
         self.shape = shape
         self.dtype = dtype
+        self.numbers: tuple = ()  # non-finite Python numbers among its arguments (x * float("nan"))
 
 
 class Session:
@@ -93,8 +95,11 @@ class Session:
             return
         inputs, leaves = [], []
         constant = True
+        numbers = []
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            if isinstance(t, float) and not math.isfinite(t):
+                numbers.append(t)
+            elif isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                 index = self.producer_of(t)
                 if index is not None:
                     inputs.append(index)
@@ -119,6 +124,7 @@ class Session:
                 self.alive.append(o)
             self.records.append(OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
                                          weakref.ref(o), tuple(o.shape), o.dtype, constant))
+            self.records[-1].numbers = tuple(numbers)
             self.producer[id(o)] = (weakref.ref(o), index)
 
 

@@ -428,7 +428,7 @@ def _record(func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> Non
     for ref, k in refs:
         T.produced[id(ref())] = (ref, op.index, k)
     if T.eager:
-        _failure.check_eager(op, outs)
+        _failure.check_eager(op, outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
 
 def start_tape(g: _guard.Guard) -> None:
