@@ -453,3 +453,19 @@ def test_eager_mode_still_blames_only_ops_whose_inputs_had_no_nan():
         del loss, logs
     ours = [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
     assert len(ours) == 1 and "torch.log created NaN" in ours[0], ours
+
+
+def test_a_nan_from_a_fused_fast_path_is_replayed_on_that_path_and_named():
+    ampguard.install()
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1] = True  # a fully padded sequence: the fused kernel's softmax over nothing is NaN
+    with torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+        encoder(x, src_key_padding_mask=pad)
+        ampguard.nonfinite.check()
+    err = info.value
+    assert err.op == "aten._transformer_encoder_layer_fwd" and err.module == "layers.0", str(err)
+    assert "did not reproduce" not in str(err) and "fused fast path ran in the original call" in str(err)

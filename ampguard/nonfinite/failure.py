@@ -98,7 +98,28 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
     with replay.untouched(window):
         replay.run_window(session, window)
         target = _replayed(session, p, original)
-        return _explain(g, p, session, window, target)
+    if target is not None and not _reproduced(p, target):
+        # The named replay ran torch's slow paths; the original may have run a fused one. Replay as it ran.
+        fused = replay.Session()
+        with replay.untouched(window):
+            replay.run_window(fused, window, names=False)
+            again = _replayed(fused, p, original)
+        if again is not None and _reproduced(p, again):
+            error = _explain(g, p, fused, window, again)
+            note = ("  (Replayed at the dispatch level only: under torch-function naming the value stayed finite, "
+                    "because torch's fused fast path ran in the original call and its slow path in that replay.)")
+            lines = str(error).split("\n")
+            error.args = ("\n".join([lines[0], note, *lines[1:]]),)
+            return error
+        return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink),
+                          "  It stayed finite both on torch's slow path (replayed with torch-function naming) and at "
+                          "the dispatch level (the fused fast path, if the call takes one)."])
+    return _explain(g, p, session, window, target)
+
+
+def _reproduced(p: Pending, target: Any) -> bool:
+    found = replay.kinds(target)
+    return bool(found) and (not p.nan_only or "nan" in found)
 
 
 def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:

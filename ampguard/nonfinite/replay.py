@@ -114,8 +114,9 @@ class Session:
             frames = self.frames
         else:
             frames = _walk(sys._getframe(2), self.stop) + ((self.site,) if self.site is not None else ())
-        stack = T.replay_stack
-        module, root = (stack[-1], stack[0]) if stack else (None, None)
+        root = T.replay_stack[0] if T.replay_stack else None
+        module = _calling_module(sys._getframe(2), self.stop) if root is not None else None
+        module = root if module is None else module
         name = _aten_name(func)
         for o in outputs:
             index = len(self.records)
@@ -222,14 +223,11 @@ def untouched(window: list) -> Iterator[None]:
         hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
     T.replaying += 1
     outer_stack, T.replay_stack = T.replay_stack, []
-    names = _names_hooks()
     try:
         with stance, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a replay repeats warnings the user has seen already
             yield
     finally:
-        for handle in names:
-            handle.remove()
         T.replaying -= 1
         T.replay_stack = outer_stack
         with torch.no_grad():
@@ -242,22 +240,23 @@ def untouched(window: list) -> Iterator[None]:
                 g.set_state(state)
 
 
-def _names_hooks() -> list:
-    """Global hooks for the replay's module stack (the normal path keeps none during a call)."""
-    from torch.nn.modules import module as nn_module
+_CALL_IMPL: Any = None
 
-    def push(module: Any, args: Any) -> None:
-        T.replay_stack.append(module)
-        # Popped by an instance hook registered now, so it runs after the module's own forward hooks
-        # (a global one would run before them, and their ops would be named after the parent).
-        handle = module.register_forward_hook(lambda m, a, o: pop(m, handle), always_call=True)
 
-    def pop(module: Any, handle: Any) -> None:
-        handle.remove()
-        if T.replay_stack and T.replay_stack[-1] is module:
-            T.replay_stack.pop()
+def _calling_module(frame: Any, stop: Any) -> Any:
+    """The module whose call is innermost on the stack: the ``self`` of the nearest Module._call_impl.
 
-    return [nn_module.register_module_forward_pre_hook(push)]
+    Read from the stack, not kept by hooks: a module's own forward hooks run inside its _call_impl, so
+    their ops are its own; and the replay attaches nothing, since hooks on a module make torch skip
+    its fused fast paths (an eval-mode TransformerEncoderLayer's)."""
+    global _CALL_IMPL
+    if _CALL_IMPL is None:
+        _CALL_IMPL = sinks._torch.nn.Module._call_impl.__code__
+    while frame is not None and frame.f_code is not stop:
+        if frame.f_code is _CALL_IMPL:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 class Freed(Exception):
@@ -323,13 +322,19 @@ def _set_rng(rng: tuple) -> None:
         torch.cuda.default_generators[cuda[0]].set_state(cuda[1])
 
 
-def run_window(session: Session, window: list) -> None:
-    """Re-run every call and loss-code op of the window in order, under the session's checker."""
-    checker, names = _modes(session)
+def run_window(session: Session, window: list, names: bool = True) -> None:
+    """Re-run every call and loss-code op of the window in order, under the session's checker.
+
+    ``names=False`` replays at the dispatch level only: a TorchFunctionMode makes torch take its slow
+    paths (``has_torch_function`` is true under one), so a fused fast path (an eval-mode
+    TransformerEncoder's ``_transformer_encoder_layer_fwd``) only runs as it did without it."""
+    checker, named = _modes(session)
+    if not names:
+        named = contextlib.nullcontext()
     session.stop = run_window.__code__
     for index, event in enumerate(window):
         try:
-            _run_event(session, event, index, checker, names)
+            _run_event(session, event, index, checker, named)
         except Freed as freed:
             session.unreplayed[index] = f"{freed}: ampguard keeps no tensor alive past your last reference, so " \
                 "keep the batch referenced until the step to have it replayed"
