@@ -20,6 +20,7 @@ import pkgutil
 import sys
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -218,7 +219,7 @@ class Registry:
         if target.accept is not None:
             reason = target.accept(cls, original)
             if reason is not None:
-                _warn_untouched(cls, target, reason)
+                _warn_untouched(cls, target, reason, original)
                 return
         replacement = wrapt.FunctionWrapper(original, target.wrapper)
         # Recorded first: an interrupt between the two leaves a record uninstall() resolves, never a
@@ -285,13 +286,21 @@ def _walk(base: type) -> Iterator[type]:
 _untouched_warned: set[tuple[int, str]] = set()
 
 
-def _warn_untouched(cls: type, target: Target, reason: str) -> None:
+def _warn_untouched(cls: type, target: Target, reason: str, original: Any = None) -> None:
     if (id(cls), target.name) in _untouched_warned:
         return
     _untouched_warned.add((id(cls), target.name))
     # a debug record, not a warning record: the warning below is the one message the user sees
     log.debug("ampguard leaves %s.%s untouched: %s", cls.__qualname__, target.name, reason)
-    warn_at_user(f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}")  # at the class statement
+    message = f"ampguard leaves {cls.__qualname__}.{target.name} untouched: {reason}"
+    code = getattr(getattr(original, "__func__", original), "__code__", None)
+    if code is not None:
+        # At the method itself: it may be patched long after its class statement (when Lightning is
+        # imported), from whatever line of yours was running then.
+        warnings.warn_explicit(message, AmpGuardWarning, code.co_filename, code.co_firstlineno,
+                               module=cls.__module__)
+    else:
+        warn_at_user(message)  # at the class statement
 
 
 def _report_failure(what: str, exc: BaseException) -> None:

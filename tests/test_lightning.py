@@ -244,12 +244,30 @@ def test_uninstall_restores_every_optimizer_step_by_identity(L):
 
 def test_lightning_1x_signature_is_left_untouched_with_the_reason(L):
     ampguard.install()
-    with pytest.warns(ampguard.AmpGuardWarning, match="Lightning 1.x's"):
+    with pytest.warns(ampguard.AmpGuardWarning, match="Lightning 1.x's") as caught:
         class Old(L.LightningModule):
             def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu,
                                using_native_amp, using_lbfgs):
                 optimizer.step(closure=optimizer_closure)
     assert not hasattr(vars(Old)["optimizer_step"], "__wrapped__")
+    ours = [w for w in caught if "Lightning 1.x's" in str(w.message)]
+    code = vars(Old)["optimizer_step"].__code__
+    assert (ours[0].filename, ours[0].lineno) == (code.co_filename, code.co_firstlineno)  # the method itself
+
+
+def test_a_1x_class_defined_before_lightning_was_patched_is_warned_about_at_its_method(python, tmp_path):
+    other = tmp_path / "old_model.py"
+    other.write_text(
+        "import lightning.pytorch as pl\n\n"
+        "class Old(pl.LightningModule):\n"
+        "    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu,\n"
+        "                       using_native_amp, using_lbfgs):\n"
+        "        optimizer.step(closure=optimizer_closure)\n")
+    proc = python("import old_model, ampguard, warnings\nwarnings.simplefilter('always')\nampguard.install()\n",
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "Lightning 1.x's" in x]
+    assert len(lines) == 1 and lines[0].startswith(f"{other}:4: AmpGuardWarning"), proc.stderr
 
 
 def test_keyword_closure_and_kwargs_signatures_are_adapted(L):
