@@ -49,8 +49,8 @@ def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
             __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
             try:
                 return hook(*args)
-            except (AmpGuardError, AmpGuardWarning):
-                raise
+            except (AmpGuardError, AmpGuardWarning) as intended:
+                raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
             except Exception as exc:
                 internal_failure(feature, exc)
                 return None

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from . import _fallback, _options
+from ._errors import AmpGuardError
 from ._patching import REGISTRY, Target
 
 log = logging.getLogger("ampguard")
@@ -347,7 +348,10 @@ def _settle(g: Guard | None, error: bool) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     sinks = sys.modules.get("ampguard.nonfinite.sinks")
     if g is not None and sinks is not None:
-        sinks.settle(g, error)
+        try:
+            sinks.settle(g, error)
+        except AmpGuardError as intended:
+            raise intended.with_traceback(None) from None  # ends at uninstall() or the guard block's exit
 
 
 @contextlib.contextmanager
@@ -388,6 +392,8 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
             try:
                 if g is not None and _LOCAL.guard is g:
                     _settle(g, error)
+            except AmpGuardError as intended:
+                raise intended.with_traceback(None) from None  # the block's exit is the one frame of ampguard's
             finally:
                 if g in stack:
                     stack.remove(g)

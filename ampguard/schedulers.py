@@ -118,8 +118,8 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         return wrapped(*args, **kwargs)
     try:
         _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
-    except AmpGuardError:
-        raise
+    except AmpGuardError as intended:
+        raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return DEPTH.outermost("scaler.update", wrapped, args, kwargs)
@@ -405,8 +405,8 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         return wrapped(*args, **kwargs)
     try:
         hold = _should_hold(g, instance, args, kwargs)
-    except AmpGuardError:
-        raise
+    except AmpGuardError as intended:
+        raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)

@@ -469,3 +469,28 @@ def test_a_nan_from_a_fused_fast_path_is_replayed_on_that_path_and_named():
     err = info.value
     assert err.op == "aten._transformer_encoder_layer_fwd" and err.module == "layers.0", str(err)
     assert "did not reproduce" not in str(err) and "fused fast path ran in the original call" in str(err)
+
+
+# -- tracebacks end in the user's frames -------------------------------------------------------------------
+def _ampguard_frames(error):
+    import os
+
+    root = os.path.dirname(ampguard.__file__) + os.sep
+    return [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(root)]
+
+
+def test_a_nonfinite_error_carries_at_most_one_ampguard_frame():
+    ampguard.install()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model(torch.ones(2, 4)).sum() * float("nan")).backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    assert len(_ampguard_frames(info.value)) <= 1
+    with pytest.raises(ampguard.NonFiniteError) as info, ampguard.guard():
+        _held = model(torch.full((2, 4), float("nan")))
+    assert len(_ampguard_frames(info.value)) <= 1
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(SqrtAtZero(), 10) if ampguard.install(check_unscaled_after=None,
+                                                                 max_consecutive_skips=3) else None
+    assert len(_ampguard_frames(info.value)) <= 1

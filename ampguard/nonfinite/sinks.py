@@ -488,8 +488,8 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         T.backwards += 1
         if g.options.trace == "eager":
             check()
-    except (AmpGuardError, AmpGuardWarning):
-        raise
+    except (AmpGuardError, AmpGuardWarning) as intended:
+        raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
     try:
@@ -615,7 +615,10 @@ class _CheckedClosure:
         if _guard.current(FEATURE) is self.guard:
             end_tape()
             _add_grads(self.guard, self.optimizer)
-            check()
+            try:
+                check()
+            except (AmpGuardError, AmpGuardWarning) as intended:
+                raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
         return result
 
     def __getattr__(self, name: str) -> Any:
