@@ -7,9 +7,12 @@ steps short. With ampguard the held steps keep the schedule aligned with the app
 
 import warnings
 
-import torch
+# A venv with torch and ampguard only has no numpy, and torch says so at import; this example never uses it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-import ampguard
+import torch  # noqa: E402
+
+import ampguard  # noqa: E402
 
 OVERFLOW_AT = {0, 5}  # iterations whose scaled gradients overflow
 STEPS = 12

@@ -14,6 +14,15 @@ def test_scheduler_skip_example(python):
     assert "2 steps skipped, 2 scheduler steps held; no warning." in proc.stdout
 
 
+def test_scheduler_skip_example_starts_with_its_own_output_where_numpy_is_missing(python):
+    # set-up 1 installs torch and ampguard only: no numpy, and torch warns about it at import
+    proc = python("import runpy, sys\nsys.modules['numpy'] = None\n"
+                  f"runpy.run_path({str(EXAMPLES / 'scheduler_skip.py')!r}, run_name='__main__')")
+    assert proc.returncode == 0, proc.stderr
+    assert "NumPy" not in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("iter  skipped")
+
+
 def test_lightning_warmup_example(python):
     pytest.importorskip("lightning.pytorch")
     proc = python(None, str(EXAMPLES / "lightning_warmup.py"))
