@@ -25,12 +25,12 @@ _EXPORTS = {
     "ConfigError": "_errors",
     "LossScaleCollapseError": "_errors",
     "NonFiniteError": "_errors",
-    "Guard": "_guard",
-    "Stats": "_guard",
-    "active": "_guard",
-    "guard": "_guard",
-    "install": "_guard",
-    "uninstall": "_guard",
+    "Guard": "_features",  # _features imports every feature, then re-exports these from _guard
+    "Stats": "_features",
+    "active": "_features",
+    "guard": "_features",
+    "install": "_features",
+    "uninstall": "_features",
 }
 _SUBMODULES = ("lightning", "lints", "nonfinite", "schedulers")
 
@@ -51,7 +51,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError, NonFiniteError
-    from ._guard import Guard, Stats, active, guard, install, uninstall
+    from ._features import Guard, Stats, active, guard, install, uninstall
 
 
 def __getattr__(name: str) -> Any:

@@ -147,10 +147,9 @@ class _Doctor:
         self.say(f"  torch.distributed available: {torch.distributed.is_available()}")
 
     def targets(self) -> None:
-        from ._guard import _declare_features
+        from . import _features  # noqa: F401  (every feature declares its targets)
         from ._patching import REGISTRY, _walk
 
-        _declare_features()
         self.say("what install() patches (method: classes that override it, wrapped as well)")
         for module in ("torch.distributed.fsdp.sharded_grad_scaler", "lightning.pytorch", "pytorch_lightning"):
             if importlib.util.find_spec(module.partition(".")[0]) is not None:

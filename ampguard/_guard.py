@@ -232,8 +232,7 @@ def _update_switches() -> None:
 
 def _ensure_installed() -> None:
     if not REGISTRY.installed:
-        _declare_features()
-        REGISTRY.install()
+        REGISTRY.install()  # the features declared themselves: ampguard._features imported them
 
 
 def _uninstall_if_unused() -> None:
@@ -257,11 +256,6 @@ def _backward_owner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 REGISTRY.add(Target("torch", "torch.autograd", "backward", _backward_owner,
                     "hooks that run on autograd's worker threads belong to the guard of the thread that started it"))
-
-
-def _declare_features() -> None:
-    # Each feature module declares its patch targets when imported; none of them imports torch.
-    from . import lightning, lints, nonfinite, schedulers, warning_sites  # noqa: F401
 
 
 class _Unset:

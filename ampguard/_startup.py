@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import sys
 
-from . import _guard, _options
+from . import _features, _guard, _options
 from ._errors import ConfigError
 
 
@@ -22,7 +22,7 @@ def activate_from_env(source: str = "AMPGUARD=1") -> _guard.Guard | None:
             return None
         _options.from_environ()  # validate every variable before touching anything
         report = _options.env_flag("AMPGUARD_REPORT", True)
-        g = _guard.install()
+        g = _features.install()
     except ConfigError as exc:
         if source != "AMPGUARD=1":
             raise

@@ -494,3 +494,20 @@ def test_a_nonfinite_error_carries_at_most_one_ampguard_frame():
         fp16_scaled_steps(SqrtAtZero(), 10) if ampguard.install(check_unscaled_after=None,
                                                                  max_consecutive_skips=3) else None
     assert len(_ampguard_frames(info.value)) <= 1
+
+
+# -- layering -------------------------------------------------------------------------------------------
+def test_the_guard_imports_no_feature_and_features_come_from_the_top_floor():
+    import ast
+    import pathlib
+
+    package = pathlib.Path(ampguard.__file__).parent
+    features = {"lightning", "lints", "nonfinite", "schedulers", "warning_sites", "_features"}
+    for low in ("_guard.py", "_patching.py", "_fallback.py", "_sync.py", "_options.py", "_frames.py", "_errors.py"):
+        tree = ast.parse((package / low).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.level == 1 for alias in node.names} | \
+                   {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert not imported & features, (low, imported & features)
+    assert ampguard.install.__module__ == "ampguard._guard"  # re-exported by ampguard._features
