@@ -332,6 +332,8 @@ def uninstall() -> None:
         try:
             if g is not None and active() is g:
                 _settle(g, error=False)  # checks no step consumed are read before the guard goes
+        except AmpGuardError as intended:
+            raise intended.with_traceback(None) from None  # the traceback ends at your uninstall() call
         finally:
             _installed = None
             _uninstall_if_unused()
@@ -342,10 +344,7 @@ def _settle(g: Guard | None, error: bool) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     sinks = sys.modules.get("ampguard.nonfinite.sinks")
     if g is not None and sinks is not None:
-        try:
-            sinks.settle(g, error)
-        except AmpGuardError as intended:
-            raise intended.with_traceback(None) from None  # ends at uninstall() or the guard block's exit
+        sinks.settle(g, error)
 
 
 @contextlib.contextmanager

@@ -262,6 +262,21 @@ class Registry:
             _report_failure(f"patching subclass {cls.__qualname__}", exc)
 
 
+def clip_arguments(args: tuple, kwargs: dict) -> tuple[list, dict, list]:
+    """For wrappers of ``clip_grad_norm_``/``clip_grad_value_``: (args, kwargs, the parameters as a list),
+    with that list in the arguments' place. A generator can be read once, and both the wrapper and the
+    clip need it; the list clips exactly the same parameters."""
+    import torch
+
+    args, kwargs = list(args), dict(kwargs)
+    where, key = (args, 0) if args else (kwargs, "parameters")
+    params = where[key]
+    if isinstance(params, torch.Tensor):
+        return args, kwargs, [params]
+    params = where[key] = list(params)
+    return args, kwargs, params
+
+
 def _in_chain(obj: Any, replacement: Any) -> bool:
     """Whether ``replacement`` is ``obj`` or one of the wrappers ``obj`` wraps."""
     while isinstance(obj, wrapt.FunctionWrapper):

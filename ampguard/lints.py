@@ -37,7 +37,7 @@ from ._errors import AmpGuardWarning
 from ._fallback import fail_safe, internal_failure
 from ._frames import warn_at_user
 from ._guard import ObjectState
-from ._patching import REGISTRY, Switch, Target
+from ._patching import REGISTRY, Switch, Target, clip_arguments
 
 FEATURE = "lint"
 
@@ -132,14 +132,8 @@ def _clip(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if g is None:
         return wrapped(*args, **kwargs)
     try:
-        import torch
-
-        args, kwargs = list(args), dict(kwargs)
-        where = (args, 0) if args else (kwargs, "parameters")
-        params = where[0][where[1]]
-        if not isinstance(params, torch.Tensor):
-            params = where[0][where[1]] = list(params)  # a generator can be read once: keep it for the clip
-        _check_clip(g, [params] if isinstance(params, torch.Tensor) else params, wrapped.__name__)
+        args, kwargs, params = clip_arguments(args, kwargs)
+        _check_clip(g, params, wrapped.__name__)
     except AmpGuardWarning:
         raise
     except Exception as exc:

@@ -219,11 +219,11 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
     decide writes the verdict with an atomic compare-and-set, so every rank takes the same one, even
     a guarded rank that arrives after the timeout.
     """
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    key = (id(dist.distributed_c10d._get_default_group()), id(group))  # every update() asks: O(1) when known
     known = _handshakes.get(key)
     if known is not None:
         return known
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # a torch without it: trust that every rank is guarded, as before
@@ -235,7 +235,7 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
         time.sleep(0.01)
         arrived = int(store.add(prefix + "arrived", 0))
     verdict = store.compare_set(prefix + "verdict", "", "all" if arrived >= world else "local")
-    ok = (verdict.decode() if isinstance(verdict, bytes) else str(verdict)) == "all"
+    ok = verdict == b"all"  # Store.compare_set returns the value now stored, as bytes
     _handshakes[key] = ok
     if not ok:
         warn_at_user(

@@ -105,16 +105,15 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
             replay.run_window(fused, window, names=False)
             again = _replayed(fused, p, original)
         if again is not None and _reproduced(p, again):
-            error = _explain(g, p, fused, window, again)
-            note = ("  (Replayed at the dispatch level only: under torch-function naming the value stayed finite, "
-                    "because torch's fused fast path ran in the original call and its slow path in that replay.)")
-            lines = str(error).split("\n")
-            error.args = ("\n".join([lines[0], note, *lines[1:]]),)
-            return error
+            return _explain(g, p, fused, window, again, note=_FUSED)
         return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink),
                           "  It stayed finite both on torch's slow path (replayed with torch-function naming) and at "
                           "the dispatch level (the fused fast path, if the call takes one)."])
     return _explain(g, p, session, window, target)
+
+
+_FUSED = ("  (Replayed at the dispatch level only: under torch-function naming the value stayed finite, because "
+          "torch's fused fast path ran in the original call and its slow path in that replay.)")
 
 
 def _reproduced(p: Pending, target: Any) -> bool:
@@ -128,14 +127,14 @@ def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:
     return replay.replayed_ref(session, p.ref) if p.ref is not None else None
 
 
-def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list, target: Any) -> NonFiniteError:
+def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list, target: Any,
+             note: str | None = None) -> NonFiniteError:
+    """``note``: a line on how the replay ran, right under the first line of the message."""
     if target is None:
         reason = next(iter(session.unreplayed.values()), None)
         why = f"it was not replayed: {reason}" if reason else "it was not made by a replayed call"
         return _plain(p, [f"  No origin is known: {why}."])
-    found = replay.kinds(target)
-    wanted = "nan" if p.nan_only else None
-    if not found or (wanted and wanted not in found):
+    if not _reproduced(p, target):
         lines = [_NOT_REPRODUCED.format(what="the " + p.sink)]
         call = p.call or next((c for c in reversed(window) if type(c) is Call), None)
         if call is not None and call.steps != T.steps:
@@ -143,11 +142,12 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
                          "parameters.")
         return _plain(p, lines)
     start = session.producer_of(target)
-    kind = replay.primary(found) or "nan"
+    kind = replay.primary(replay.kinds(target)) or "nan"
+    noted = [note] if note else []
     if start is None:
-        return _plain(p, ["  No origin is known: the replayed value was not made by an op ampguard saw."], kind)
-    result = replay.walk(session, start)
-    return _origin_error(g, p, session, window, result, kind)
+        return _plain(p, [*noted, "  No origin is known: the replayed value was not made by an op ampguard saw."],
+                      kind)
+    return _origin_error(g, p, session, window, replay.walk(session, start), kind, noted)
 
 
 def _label(rec: replay.OpRecord) -> tuple[str, str]:
@@ -168,14 +168,14 @@ def _roots(g: _guard.Guard, window: list) -> list:
 
 
 def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: list, result: dict,
-                  kind: str) -> NonFiniteError:
+                  kind: str, noted: list[str]) -> NonFiniteError:
     records = session.records
     rec = records[result["origin"]]
     label, op = _label(rec)
     module = report.module_path(rec.root, rec.module)
     own, user_site, user = report.sites(rec.frames)
     names = report.tensor_names(_roots(g, window))
-    lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.",
+    lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.", *noted,
              "  Found by replaying the call op by op (same inputs, RNG state, autocast and grad mode)."]
     origin_kinds = report.kinds_words(rec.kinds)
     in_module = f" in module '{module}'" if module else ""

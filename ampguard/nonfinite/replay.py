@@ -38,7 +38,7 @@ class OpRecord:
                  "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
-                 kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool) -> None:
+                 kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
         self.constant = constant  # depends on no parameter: data, buffers, masks and what is made of them
         self.root = root  # the replayed module the op ran in, for dotted names
         self.name = name  # the aten op, e.g. "aten.bmm"
@@ -51,7 +51,7 @@ class OpRecord:
         self.ref = ref
         self.shape = shape
         self.dtype = dtype
-        self.numbers: tuple = ()  # non-finite Python numbers among its arguments (x * float("nan"))
+        self.numbers = numbers  # non-finite Python numbers among its arguments (x * float("nan"))
 
 
 class Session:
@@ -114,9 +114,10 @@ class Session:
             frames = self.frames
         else:
             frames = _walk(sys._getframe(2), self.stop) + ((self.site,) if self.site is not None else ())
-        root = T.replay_stack[0] if T.replay_stack else None
+        root = T.replay_root
         module = _calling_module(sys._getframe(2), self.stop) if root is not None else None
-        module = root if module is None else module
+        if module is None:
+            module = root  # an op of the root's own forward (the replay calls it without _call_impl)
         name = _aten_name(func)
         for o in outputs:
             index = len(self.records)
@@ -124,8 +125,7 @@ class Session:
             if found and len(self.alive) < 4096:
                 self.alive.append(o)
             self.records.append(OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
-                                         weakref.ref(o), tuple(o.shape), o.dtype, constant))
-            self.records[-1].numbers = tuple(numbers)
+                                         weakref.ref(o), tuple(o.shape), o.dtype, constant, tuple(numbers)))
             self.producer[id(o)] = (weakref.ref(o), index)
 
 
@@ -222,14 +222,14 @@ def untouched(window: list) -> Iterator[None]:
     stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules and \
         hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
     T.replaying += 1
-    outer_stack, T.replay_stack = T.replay_stack, []
+    outer_root, T.replay_root = T.replay_root, None
     try:
         with stance, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a replay repeats warnings the user has seen already
             yield
     finally:
         T.replaying -= 1
-        T.replay_stack = outer_stack
+        T.replay_root = outer_root
         with torch.no_grad():
             for b, copy in saved:
                 if b.shape == copy.shape:
@@ -351,13 +351,13 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         args, kwargs = _map_call(session, event, type(module).__name__)
         _set_rng(event.rng)
         grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
-        T.replay_stack = [module]
+        T.replay_root = module
         session.site = (event.site[0], event.site[1]) if event.site else None
         try:
             with grad, _autocast(event.autocast), names, checker:
                 out = module.forward(*args, **kwargs)
         finally:
-            T.replay_stack = []
+            T.replay_root = None
             session.site = None
         _map_outputs(session, index, out)
         _claim_nodes(session, index, out)

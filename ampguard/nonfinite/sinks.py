@@ -42,7 +42,8 @@ from .. import _guard, _sync
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
 from .._frames import user_frames
-from .._guard import DEPTH
+from .._guard import DEPTH, ObjectState
+from .._patching import clip_arguments
 from . import outermost
 
 FEATURE = "nonfinite"
@@ -107,12 +108,12 @@ class TapeOp:
 class Pending:
     """A sink waiting for the next shared read."""
 
-    __slots__ = ("_sink", "call", "covered", "guard", "key", "nan_only", "optimizer", "params", "parts", "ref",
-                 "status", "tensor")
+    __slots__ = ("_sink", "call", "guard", "key", "nan_only", "optimizer", "params", "parts", "ref", "status",
+                 "tensor")
 
     def __init__(self, guard: Any, sink: Any, nan_only: bool, parts: list, tensor: Any = None, call: Any = None,
                  params: list | None = None, optimizer: Any = None, key: Any = None, status: Any = None,
-                 ref: Any = None, covered: bool = False) -> None:
+                 ref: Any = None) -> None:
         self.guard = guard
         self._sink = sink  # a string, or a callable that makes it (only a failure needs the words)
         self.nan_only = nan_only
@@ -124,7 +125,11 @@ class Pending:
         self.params = params  # gradient sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
         self.ref = ref  # a loss: the Ref through which the replay finds it
-        self.covered = covered  # an output a later loss covers: dropped when a loss sink is added
+
+    @property
+    def covered(self) -> bool:
+        """An output whose status was not taken when made (a grad-enabled call): a later loss covers it."""
+        return self.call is not None and self.status is None
 
     @property
     def sink(self) -> str:
@@ -148,12 +153,11 @@ class _Thread(threading.local):
         self.tape: Any = None  # the loss-code recorder, while it is on torch's mode stack
         self.taping = False  # record into the window (off while paused or full)
         self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
-        self.keep_window = False  # a clean read keeps the window: GradScaler's skips are checked at scale 1 next
         self.last_shown = id(None)  # id of the exception an interactive shell showed last (sys.last_value)
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
-        self.stepped: dict[int, tuple] = {}  # id(optimizer) -> (weakref, steps at its latest step)
+        self.stepped: ObjectState[bool] = ObjectState(lambda _: True)  # the optimizers that stepped here
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
-        self.replay_stack: list = []  # modules open during a replay, for names
+        self.replay_root: Any = None  # the module call a replay re-runs now, for names
         self.eager = False  # trace='eager': every recorded op is checked as it runs
         self.eager_stack: list = []  # modules open during an eager-mode forward, for names
 
@@ -350,7 +354,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         sink = _output_sink(module, k, several)
         if training and o.requires_grad:
             # A loss usually follows and covers it; if none does, it is read then, if still held.
-            T.pending.append(Pending(g, sink, True, [ref], ref, call, key=k, covered=True))
+            T.pending.append(Pending(g, sink, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             T.pending.append(Pending(g, sink, True, [], ref, call, key=k, status=norm(o)))
@@ -372,8 +376,7 @@ def roots(g: _guard.Guard) -> dict:
 def _recover() -> None:
     """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
     if outermost.L.root is not None and outermost.recover():
-        T.entry = None
-        T.eager_stack = []
+        forget_calls()
         drop()
 
 
@@ -535,13 +538,7 @@ def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if g is None or T.replaying:
         return wrapped(*args, **kwargs)
     try:
-        args, kwargs = list(args), dict(kwargs)
-        where = (args, 0) if args else (kwargs, "parameters")
-        params = where[0][where[1]]
-        if isinstance(params, _torch.Tensor):
-            params = [params]
-        else:
-            params = where[0][where[1]] = list(params)  # a generator can be read once
+        args, kwargs, params = clip_arguments(args, kwargs)
         norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
         usable = float(norm_type) > 0  # a 0-"norm" counts non-zeros: a NaN would not show
     except Exception as exc:
@@ -631,22 +628,13 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if T.replaying or _guard.current(FEATURE) is None:
         return
     T.steps += 1
-    entry = T.stepped.get(id(optimizer))
-    if entry is None or entry[0]() is not optimizer:
-        if len(T.stepped) > 64:
-            T.stepped = {k: v for k, v in T.stepped.items() if v[0]() is not None}
-        T.stepped[id(optimizer)] = (weakref.ref(optimizer), T.steps)
-    else:
-        T.stepped[id(optimizer)] = (entry[0], T.steps)
+    T.stepped.of(optimizer)
 
 
 def stepped_optimizer_of(param: Any) -> Any:
     """The optimizer that stepped ``param`` in this thread, if any (failure path)."""
-    for ref, _ in T.stepped.values():
-        optimizer = ref()
-        if optimizer is not None and any(p is param for p in params_of(optimizer)):
-            return optimizer
-    return None
+    return next((optimizer for optimizer, _ in T.stepped.items()
+                 if any(p is param for p in params_of(optimizer))), None)
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -679,9 +667,7 @@ def _collect() -> list:
     device = statuses[0].device
     if any(s.device != device for s in statuses):
         statuses = [s.to(device) for s in statuses]
-    if any(s.dtype != statuses[0].dtype for s in statuses):
-        statuses = [s.double() for s in statuses]
-    return [_torch.stack(statuses)]
+    return [_torch.stack(statuses)]  # stack promotes: float32 statuses with float64 ones read as float64
 
 
 def _consume(values: list[float]) -> None:
@@ -696,8 +682,7 @@ def _consume(values: list[float]) -> None:
             failed = p
             break
     if failed is None:
-        if not T.keep_window:
-            _clear_window()
+        _clear_window()
         return
     _failure.fail(_guard.current(FEATURE), failed)
 
@@ -706,13 +691,9 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     """GradScaler skipped ``streak`` updates in a row: after this read's own checks, replay the backward
     at scale 1. Non-finite gradients there are made by an op at every scale, and no scale will fix them."""
     __tracebackhide__ = True
-    T.keep_window = True
-    try:
-        settle()  # a non-finite loss is reported as such first, with its forward op
-    finally:
-        T.keep_window = False
-    window, losses = T.window, T.losses
-    _clear_window()
+    window, losses = T.window, T.losses  # a clean read rebinds them to new lists: these stay for the replay
+    settle()  # a non-finite loss is reported as such first, with its forward op
+    _clear_window()  # (if nothing of this feature was read, settle() left it)
     if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
         return
     _failure.unscaled(g, window, losses, streak, scale)
