@@ -22,6 +22,7 @@ import dataclasses
 import math
 import struct
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -48,6 +49,7 @@ class OptimizerRecord:
 class _PendingStep:
     optimizer: weakref.ref
     found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
+    ran: bool | None = None  # whether its step() ran, where that is the scaler's decision (non-fused): no read
 
 
 @dataclasses.dataclass
@@ -58,6 +60,12 @@ class ScalerRecord:
     iteration_tracker: float = 0.0
     consecutive_skips: int = 0
     updates: int = 0  # tracked updates since the first, to tell a scale still calibrating
+    # What the latest tracked update() left: (scale tensor, its version, tracker tensor, its version) and the
+    # values update() computed from what was read. While both tensors are the same, unmodified, the next
+    # iteration knows the scale and tracker without reading them (load_state_dict() or fill_() bump a version).
+    after: tuple | None = None
+    next_scale: float = 0.0
+    next_tracker: float = 0.0
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
 
@@ -89,16 +97,39 @@ def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
+    _RAN.optimizer = None
     result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
-        _remember_step(g, instance, optimizer)
+        _remember_step(g, instance, optimizer, _RAN.optimizer is optimizer)
     except Exception as exc:
         internal_failure(FEATURE, exc)
+    finally:
+        _RAN.optimizer = None
     return result
 
 
-def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
+class _Ran(threading.local):
+    optimizer: Any = None  # the optimizer whose step() ran inside the open GradScaler.step() (post-step hook)
+
+
+_RAN = _Ran()
+
+
+def _decides_by_running(optimizer: Any) -> bool:
+    """Whether GradScaler.step() runs this optimizer's step() exactly when found_inf is 0, and torch's
+    post-step hooks see it run: then whether it ran is the scaler's decision, and nothing needs a read.
+    Not for fused/capturable optimizers (they get found_inf and skip inside the kernel) or a step()
+    replaced on the instance (other than by an LR scheduler's call tracker) or outside torch's hooked step."""
+    optim = sys.modules["torch.optim"]
+    if not isinstance(optimizer, optim.Optimizer) or getattr(optimizer, "_step_supports_amp_scaling", False) or \
+            not getattr(type(optimizer).step, "hooked", False):
+        return False
+    own = vars(optimizer).get("step")
+    return own is None or getattr(own, "_wrapped_by_lr_sched", False)
+
+
+def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = list(state["found_inf_per_device"].values()) if state else []
     if not found:
@@ -106,7 +137,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any) -> None:
     record = tables(g).scalers.of(scaler)
     if record.pending:
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
-    record.pending.append(_PendingStep(weakref.ref(optimizer), found))
+    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None))
     tables(g).pending_owner.set(optimizer, weakref.ref(scaler))
 
 
@@ -122,7 +153,15 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    return DEPTH.outermost("scaler.update", wrapped, args, kwargs)
+    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
+    try:
+        record = tables(g).scalers.get(instance)
+        scale, tracker = instance._scale, instance._growth_tracker
+        if record is not None and record.next_scale and scale is not None and tracker is not None:
+            record.after = (scale, scale._version, tracker, tracker._version)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return result
 
 
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> float | None:
@@ -138,22 +177,29 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         return None
     scale = scaler._scale
     ranks = _ranks(g, scaler) if pending else None
-    if ranks is None:
-        own = [t for p in pending for t in p.found_inf]
+    if ranks is None and extra is None and _known(record, scaler, pending):
+        # Every optimizer's step() ran or not by the scaler's own decision, and the scale and tracker are
+        # what the last update() made them: nothing of the scaler's to read (others' checks may still be).
+        values, settle = _sync.read([])
+        found = [0.0 if p.ran else 1.0 for p in pending]
+        values, i = [record.next_scale, record.next_tracker], 0
     else:
-        own = [_all_ranks_skips(ranks, pending, scale.device)]
-    own.append(scale)
-    own.append(scaler._growth_tracker)  # with the scale: the scale after update() follows without a read
-    if extra is not None:
-        own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
-    values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
-    if ranks is None:
-        found, i = [], 0
-        for p in pending:
-            found.append(sum(values[i:i + len(p.found_inf)]))
-            i += len(p.found_inf)
-    else:
-        found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
+        if ranks is None:
+            own = [t for p in pending for t in p.found_inf]
+        else:
+            own = [_all_ranks_skips(ranks, pending, scale.device)]
+        own.append(scale)
+        own.append(scaler._growth_tracker)  # with the scale: the scale after update() follows without a read
+        if extra is not None:
+            own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
+        values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
+        if ranks is None:
+            found, i = [], 0
+            for p in pending:
+                found.append(sum(values[i:i + len(p.found_inf)]))
+                i += len(p.found_inf)
+        else:
+            found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
     stats = g.stats
     table = optimizers(g)
     owners = tables(g).pending_owner
@@ -181,6 +227,19 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     else:
         settle()  # the other features' checks that rode on this read; may raise NonFiniteError
     return values[-1] if extra is not None else None
+
+
+def _known(record: ScalerRecord, scaler: Any, pending: list[_PendingStep]) -> bool:
+    """Whether this iteration's skips, scale and tracker are known without a read: see ScalerRecord.after."""
+    after = record.after
+    if after is None or any(p.ran is None for p in pending):
+        return False
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    if scale is not after[0] or scale._version != after[1] or tracker is not after[2] or tracker._version != after[3]:
+        return False
+    # update() sums the found_inf of every optimizer the scaler stepped or unscaled: all of them are pending
+    states = scaler._per_optimizer_states
+    return len(states) == len(pending) and all(id(p.optimizer()) in states for p in pending)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +360,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     record = tables(g).scalers.of(scaler)
     tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
     new_value = _resolve(g, scaler, record, tensor_new_scale)
+    record.after, record.next_scale = None, 0.0  # set again once this update() is done, if it was predicted
     if new_value is None and new_scale is not None and not isinstance(new_scale, torch.Tensor):
         new_value = float(new_scale)
 
@@ -318,16 +378,20 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
         record.consecutive_skips = 0
         record.skipped_in_run.clear()
 
+    # What update() computes (torch's _amp_update_scale_ kernel, in float32)
+    tracker = record.iteration_tracker
     if new_value is not None:
-        predicted = new_value
+        predicted = new_value  # written with fill_(); the tracker is left as it is
     elif skipped:
-        predicted = _fp32(scale * scaler._backoff_factor)
-    elif record.iteration_tracker + 1 >= scaler._growth_interval:
+        predicted, tracker = _fp32(scale * scaler._backoff_factor), 0.0
+    elif tracker + 1 == scaler._growth_interval:
         grown = _fp32(scale * scaler._growth_factor)
         predicted = grown if math.isfinite(grown) else scale  # update() keeps the scale if growth overflows
+        tracker = 0.0
     else:
-        predicted = scale
+        predicted, tracker = scale, tracker + 1
     g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
+    record.next_scale, record.next_tracker = _fp32(predicted), tracker
     limit = g.options.max_consecutive_skips
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,
@@ -452,8 +516,11 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
 def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """A step taken outside GradScaler.step() changed the parameters: count it as applied."""
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scaler.step"):
-        return  # a scaler's step is counted at update(), from its own found_inf
+    if g is None:
+        return
+    if DEPTH.counts.get("scaler.step"):
+        _RAN.optimizer = optimizer  # the scaler let it run; counted at update()
+        return
     g.stats.optimizer_steps_applied += 1
     record = optimizers(g).get(optimizer)
     if record is not None:

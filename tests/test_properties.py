@@ -97,3 +97,92 @@ def test_the_property_fails_without_holding():
     scheds, _, warned = train(run, schedulers=False)
     assert scheds[0].last_epoch == 6 != expected_last_epoch(run, 0) == 4
     assert any("before `optimizer.step()`" in w for w in warned)
+
+
+@st.composite
+def scale_runs(draw):
+    iterations = draw(st.integers(min_value=2, max_value=14))
+    return {
+        "iterations": iterations,
+        "growth_interval": draw(st.integers(min_value=1, max_value=3)),
+        "optimizers": draw(st.lists(st.sampled_from(sorted(OPTIMIZERS)), min_size=1, max_size=2)),
+        "overflow": draw(st.sets(st.integers(0, iterations - 1))),
+        # per iteration: a plain update(), update(new_scale=float), update(new_scale=tensor), or a
+        # load_state_dict() of an earlier state before the iteration
+        "events": draw(st.lists(st.sampled_from(["", "", "", "float", "tensor", "load"]),
+                                min_size=iterations, max_size=iterations)),
+        "nonfinite": draw(st.sampled_from(["off", "raise"])),
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(scale_runs())
+def test_the_loss_scale_ampguard_reports_is_the_scalers_whatever_happens(run):
+    """ampguard knows the scale after update() without reading it while nothing else changed it:
+    growth, backoff, new_scale and load_state_dict() must all keep it exactly the scaler's."""
+    with ampguard.guard(nonfinite=run["nonfinite"]) as g:
+        models = [model(seed=j) for j in range(len(run["optimizers"]))]
+        opts = [OPTIMIZERS[kind](m.parameters()) for kind, m in zip(run["optimizers"], models, strict=True)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=run["growth_interval"])
+        hook = Overflow(models[0][0].weight, run["overflow"])
+        saved = scaler.state_dict()
+        skips = 0
+        for i in range(run["iterations"]):
+            hook.i = i
+            if run["events"][i] == "load":
+                scaler.load_state_dict(saved)
+            x, y = data(i)
+            loss = sum(torch.nn.functional.mse_loss(m(x), y) for m in models)
+            scaler.scale(loss).backward()
+            for opt in opts:
+                scaler.step(opt)
+            skips += i in run["overflow"]  # the overflow is in the first model's gradients only
+            event = run["events"][i]
+            if event == "float":
+                scaler.update(new_scale=float(2 ** (i % 5 + 3)))
+            elif event == "tensor":
+                scaler.update(new_scale=torch.tensor(float(2 ** (i % 4 + 2))))
+            else:
+                scaler.update()
+            assert g.stats.loss_scale == scaler.get_scale(), (i, run)
+            if i == 1:
+                saved = scaler.state_dict()
+            for opt in opts:
+                opt.zero_grad()
+        assert g.stats.optimizer_steps_skipped == skips
+
+
+def test_a_clean_non_fused_step_reads_nothing_of_the_scalers():
+    """The scaler's decision for a non-fused optimizer is whether its step() ran: no read of found_inf,
+    scale or tracker (ampguard's only sync on such a loop is the non-finite check's, when it is on)."""
+    from ampguard import _sync
+
+    reads = []
+    original = _sync.read
+
+    def spy(own, device=None):
+        reads.append(len(own))
+        return original(own, device)
+
+    with ampguard.guard(nonfinite="off") as g:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+        sched = S.LambdaLR(opt, lambda s: 1.0)
+        hook = Overflow(m[0].weight, {3})
+        _sync.read = spy
+        try:
+            for i in range(6):
+                hook.i = i
+                x, y = data(i)
+                scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad()
+        finally:
+            _sync.read = original
+    assert reads[0] > 0  # the first update reads the scale once
+    assert reads[1:] == [0] * 5, reads
+    assert g.stats.optimizer_steps_skipped == 1 and sched.last_epoch == 5

@@ -50,7 +50,7 @@ FAULTS = [
     ("ampguard.schedulers._remember_step", {"schedulers"}),
     ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
-    ("ampguard.nonfinite.sinks._norms", {"nonfinite"}),
+    ("ampguard.nonfinite.sinks.add_loss", {"nonfinite"}),  # the loss sink (a scalar: no _norms pass here)
     ("ampguard.nonfinite.sinks.enter", {"nonfinite"}),  # the outermost call's start and end
     ("ampguard.nonfinite.sinks.exit", {"nonfinite"}),
     ("ampguard.nonfinite.sinks._consume", {"nonfinite"}),

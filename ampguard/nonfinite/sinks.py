@@ -20,6 +20,7 @@ Sinks (where a NaN/Inf is an error), each an on-device status riding the shared 
 A status is a 2-norm: one bandwidth pass, NaN exactly when an element is NaN (squares are never
 NaN), +Inf when an element is infinite *or* the sum of squares overflowed. An Inf status is
 re-checked exactly (``isfinite``) before anything is reported, so large finite values never raise.
+A scalar (a loss, a clip's total norm) is its own status, with no kernel at all.
 
 Parameters are not checked after a step: a parameter a step made non-finite reaches the next
 call's loss or output, which is read before another step is applied, and the replay names it.
@@ -653,7 +654,12 @@ def _collect() -> list:
             taken.append(p.status)
         for part in p.parts:
             t = part if isinstance(part, _torch.Tensor) else part()
-            if t is not None:  # an output the user dropped: nothing can read it any more, nothing is lost
+            if t is None:
+                continue  # an output the user dropped: nothing can read it any more, nothing is lost
+            if t.dim() == 0:  # a scalar (a loss, a clip's total norm) is its own status: no kernel
+                at.append(~len(taken))
+                taken.append(t.detach())
+            else:
                 at.append(len(tensors))
                 tensors.append(t)
         if at:
@@ -678,7 +684,8 @@ def _consume(values: list[float]) -> None:
     failed = None
     for p, at in layout:
         mine = [values[i] if i >= 0 else values[n + ~i] for i in at]
-        if any(v != v for v in mine) or (not p.nan_only and math.inf in mine and not _finite_after_all(p)):
+        if any(v != v for v in mine) or (not p.nan_only and (math.inf in mine or -math.inf in mine)
+                                          and not _finite_after_all(p)):
             failed = p
             break
     if failed is None:
