@@ -34,7 +34,8 @@ class Stats:
     """Counters users can read at any time; names follow what users see."""
 
     optimizer_steps_applied: int = 0  # every optimizer step that changed the parameters, scaler or not
-    optimizer_steps_skipped: int = 0  # steps GradScaler skipped (inf/NaN gradients)
+    optimizer_steps_skipped: int = 0  # steps not taken: GradScaler's (inf/NaN gradients) and nonfinite='skip''s
+    nonfinite_steps_skipped: int = 0  # of those, the ones nonfinite='skip' skipped (non-finite loss or gradients)
     scheduler_steps_held: int = 0
     loss_scale: float | None = None  # the scale after the latest GradScaler.update(), as get_scale() returns it
     loss_scale_min: float | None = None
@@ -150,8 +151,11 @@ class Guard:
         the loss scale, closures injected, non-finite values detected, and any feature switched off."""
         s = self.stats
         lines = ["ampguard report" + _rank_label()]
+        by_scaler = s.optimizer_steps_skipped - s.nonfinite_steps_skipped
         lines.append(f"  optimizer steps: {s.optimizer_steps_applied} applied, "
-                     f"{s.optimizer_steps_skipped} skipped by GradScaler (inf/NaN gradients)")
+                     f"{by_scaler} skipped by GradScaler (inf/NaN gradients)"
+                     + (f", {s.nonfinite_steps_skipped} skipped by nonfinite='skip' (non-finite loss or gradients)"
+                        if s.nonfinite_steps_skipped else ""))
         lines.append(f"  scheduler steps held: {s.scheduler_steps_held}")
         if s.loss_scale is not None:
             lines.append(f"  loss scale: last {s.loss_scale:g} (range {s.loss_scale_min:g} .. {s.loss_scale_max:g})")
@@ -276,9 +280,12 @@ _OPTION_DOCS = """
     - ``distributed`` (bool, True): every rank takes the same skip decision (one all-reduce).
     - ``closures`` (bool, True): give a Lightning optimizer_step that forgot its closure the closure.
     - ``lint`` (bool, True): warn once about AMP mistakes that do not crash.
-    - ``nonfinite`` ('raise', 'warn' or 'off'): what a NaN/Inf at a sink does.
+    - ``nonfinite`` ('raise', 'warn', 'skip' or 'off'): what a NaN/Inf at a sink does; 'skip' skips
+      the optimizer step whose loss or gradients it reached (schedulers held) and warns once per origin.
     - ``trace`` ('replay', 'eager' or 'off'): how its origin is found ('deferred' = 'replay').
     - ``devices`` (None or device types such as ('cuda',)): which tensors are watched.
+    - ``repro_dir`` (None or a folder): write a reproducer bundle there on a NaN/Inf, for
+      ``python -m ampguard repro``; ``repro_max_mb`` (256): the largest bundle written.
 
     A wrong name or value raises ConfigError naming the option and the accepted values.
 """
@@ -291,7 +298,8 @@ def _given(options: dict[str, Any], unknown: dict[str, Any]) -> dict[str, Any]:
 def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
             check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
             closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
-            devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Guard:
+            devices: str | tuple[str, ...] | None = UNSET, repro_dir: str | None = UNSET,
+            repro_max_mb: float = UNSET, **unknown: Any) -> Guard:
     """Patch torch (and Lightning when the program imports it) process-wide; return the active Guard.
 
     Call it first, before building the model. A second call while installed never wraps twice:
@@ -302,7 +310,8 @@ def install(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNS
     options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
                       "check_unscaled_after": check_unscaled_after,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
-                      "trace": trace, "devices": devices}, unknown)
+                      "trace": trace, "devices": devices, "repro_dir": repro_dir,
+                      "repro_max_mb": repro_max_mb}, unknown)
     global _installed
     try:
         with _lock:
@@ -351,7 +360,8 @@ def _settle(g: Guard | None, error: bool) -> None:
 def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
           check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
           closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
-          devices: str | tuple[str, ...] | None = UNSET, **unknown: Any) -> Iterator[Guard]:
+          devices: str | tuple[str, ...] | None = UNSET, repro_dir: str | None = UNSET,
+          repro_max_mb: float = UNSET, **unknown: Any) -> Iterator[Guard]:
     """A block under a guard of its own: fresh counters, these options on top of the outer guard's
     (or of the environment and defaults), and exactly the state from before on exit.
 
@@ -361,7 +371,8 @@ def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET
     options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
                       "check_unscaled_after": check_unscaled_after,
                       "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
-                      "trace": trace, "devices": devices}, unknown)
+                      "trace": trace, "devices": devices, "repro_dir": repro_dir,
+                      "repro_max_mb": repro_max_mb}, unknown)
     ident = threading.get_ident()
     g: Guard | None = None
     error = True

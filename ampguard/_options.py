@@ -129,9 +129,10 @@ SPECS: dict[str, OptionSpec] = {}
 _BOOL_TEXT = "1/0, true/false, yes/no or on/off"
 _TEXT = {"schedulers": _BOOL_TEXT, "distributed": _BOOL_TEXT, "closures": _BOOL_TEXT, "lint": _BOOL_TEXT,
          "max_consecutive_skips": "a positive integer or 'none'",
-         "check_unscaled_after": "a positive integer or 'none'", "nonfinite": "raise, warn or off",
+         "check_unscaled_after": "a positive integer or 'none'", "nonfinite": "raise, warn, skip or off",
          "trace": "replay, eager or off (deferred is accepted as replay)",
-         "devices": "all, or device types separated by commas, such as cuda or cuda,cpu"}
+         "devices": "all, or device types separated by commas, such as cuda or cuda,cpu",
+         "repro_dir": "a folder path, or 'none'", "repro_max_mb": "a positive number of megabytes"}
 
 
 def _spec(name: str, default: Any, accepted: str, check: Callable, parse_env: Callable, doc: str) -> None:
@@ -193,14 +194,15 @@ _spec(
     "to 0, a GradScaler with bf16 autocast.",
 )
 
-_nonfinite_check, _nonfinite_env = _choice("raise", "warn", "off")
+_nonfinite_check, _nonfinite_env = _choice("raise", "warn", "skip", "off")
 _spec(
     "nonfinite",
     "raise",
-    "'raise', 'warn' or 'off'",
+    "'raise', 'warn', 'skip' or 'off'",
     _nonfinite_check,
     _nonfinite_env,
-    "What to do when a NaN/Inf reaches a sink: raise NonFiniteError, warn once per origin, or not check.",
+    "What to do when a NaN/Inf reaches a sink: raise NonFiniteError, warn once per origin, skip the optimizer "
+    "step whose loss or gradients it reached and warn once per origin, or not check.",
 )
 _trace_choice, _trace_env = _choice("replay", "deferred", "eager", "off")
 
@@ -231,6 +233,52 @@ _spec(
 )
 
 
+def _check_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _Reject
+    return value
+
+
+def _env_dir(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none", "off") else text.strip()
+
+
+def _check_mb(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or value != value:
+        raise _Reject
+    return float(value)
+
+
+def _env_mb(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise _Reject from None
+
+
+_spec(
+    "repro_dir",
+    None,
+    "None (no reproducers) or a folder path (env: a path, or 'none')",
+    _check_dir,
+    _env_dir,
+    "Where a NonFiniteError (or the first warning per origin) writes a reproducer bundle that "
+    "python -m ampguard repro replays; made on the failure path only.",
+)
+_spec(
+    "repro_max_mb",
+    256.0,
+    "a positive number of megabytes (env: a number)",
+    _check_mb,
+    _env_mb,
+    "The largest reproducer bundle written; a larger one is not written, and the message says so.",
+)
+
+
 # Variables that are not Guard options but switch ampguard's activation on and off.
 ENV_SWITCHES = {
     "AMPGUARD": "install the guard at interpreter start-up (1/0, true/false, yes/no, on/off)",
@@ -252,6 +300,8 @@ class Options:
     nonfinite: str = "raise"
     trace: str = "replay"
     devices: tuple[str, ...] | None = None
+    repro_dir: str | None = None
+    repro_max_mb: float = 256.0
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **validate(changes))

@@ -22,7 +22,7 @@ import pytest
 # The Guard options, in the order of ampguard._options.SPECS (a test keeps the two in step); listed
 # here so that adding the command-line flags imports nothing.
 OPTIONS = ("schedulers", "max_consecutive_skips", "check_unscaled_after", "distributed", "closures", "lint",
-           "nonfinite", "trace", "devices")
+           "nonfinite", "trace", "devices", "repro_dir", "repro_max_mb")
 
 _options_key = pytest.StashKey[dict]()
 _guard_key = pytest.StashKey[Any]()  # the Guard this test runs under

@@ -512,11 +512,30 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
     return opt_record.skipped > skipped and opt_record.applied == applied
 
 
+class _Skipping(threading.local):
+    optimizer: Any = None  # the optimizer whose step() nonfinite='skip' runs without gradients now
+
+
+_SKIPPING = _Skipping()
+
+
+def note_nonfinite_skip(g: Guard, optimizer: Any) -> None:
+    """nonfinite='skip' runs ``optimizer``'s step() without gradients: a skipped step, as GradScaler's are,
+    so its schedulers are held for it."""
+    if _guard.current(FEATURE) is not g:
+        return
+    optimizers(g).of(optimizer).skipped += 1
+    _SKIPPING.optimizer = optimizer
+
+
 @fail_safe(FEATURE)
 def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """A step taken outside GradScaler.step() changed the parameters: count it as applied."""
     g = _guard.current(FEATURE)
     if g is None:
+        return
+    if _SKIPPING.optimizer is optimizer:
+        _SKIPPING.optimizer = None  # nonfinite='skip' took it: the parameters did not change
         return
     if DEPTH.counts.get("scaler.step"):
         _RAN.optimizer = optimizer  # the scaler let it run; counted at update()

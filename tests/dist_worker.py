@@ -152,8 +152,38 @@ def one_rank_unguarded(rank):
             "warnings": [str(w.message) for w in caught if "not every rank" in str(w.message)]}
 
 
+def skip_together(rank, ddp):
+    """nonfinite='skip': rank 1's batch 2 is corrupt. Under DDP its NaN reaches both ranks' gradients; with
+    independent replicas (no gradient all-reduce) only rank 1's, and rank 0 must skip with it all the same."""
+    import ampguard
+
+    g = ampguard.install(nonfinite="skip")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))  # the same batch on both ranks
+            if rank == 1 and i == 2:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    s = g.stats
+    weight = (model.module if ddp else model).weight
+    return {"skipped": s.nonfinite_steps_skipped, "applied": s.optimizer_steps_applied, "lr": opt.param_groups[0]["lr"],
+            "weight": weight.detach().tolist(), "warnings": [str(w.message) for w in caught
+                                                            if "nonfinite='skip'" in str(w.message)]}
+
+
 SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
-             "one_rank_unguarded": one_rank_unguarded}
+             "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
+             "skip_replicas": lambda rank: skip_together(rank, False)}
 
 
 def worker(rank, scenario, port, out_dir):

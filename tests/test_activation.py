@@ -253,7 +253,8 @@ def test_doctor_exits_1_with_the_reason_for_a_bad_variable(python):
     assert proc.returncode == 1
     assert "2 problem(s)" in proc.stdout  # every bad variable, not the first only
     assert "the program would run WITHOUT the guard" in proc.stdout
-    reason = "  - ampguard: environment variable AMPGUARD_NONFINITE got 'explode'; accepted values: raise, warn or off"
+    reason = ("  - ampguard: environment variable AMPGUARD_NONFINITE got 'explode'; accepted values: "
+              "raise, warn, skip or off")
     assert reason in proc.stdout
 
 

@@ -150,7 +150,7 @@ def test_import_ampguard_and_install_import_neither_torch_nor_lightning(python):
     ({"bogus": 1}, "unknown option 'bogus'; accepted options: check_unscaled_after, closures, devices, distributed"),
     ({"trace": "lazy"}, "option 'trace' got 'lazy'; accepted values: 'replay', 'eager' or 'off' "
                           "('deferred' is accepted as 'replay')"),
-    ({"nonfinite": True}, "option 'nonfinite' got True; accepted values: 'raise', 'warn' or 'off'"),
+    ({"nonfinite": True}, "option 'nonfinite' got True; accepted values: 'raise', 'warn', 'skip' or 'off'"),
     ({"devices": ("cuda:0",)}, "option 'devices' got ('cuda:0',); accepted values: None (every device)"),
     ({"schedulers": "yes"}, "option 'schedulers' got 'yes'; accepted values: True or False"),
     ({"max_consecutive_skips": 0}, "option 'max_consecutive_skips' got 0; accepted values: a positive integer"),

@@ -45,8 +45,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
 
 
 def _first_time(g: _guard.Guard, key: Any) -> bool:
-    """Raise mode: always. Warn mode: once per key (a sink and its module, or an eager op's site)."""
-    if g.options.nonfinite != "warn":
+    """Raise mode: always. Warn and skip mode: once per key (a sink and its module, or an eager op's site)."""
+    if g.options.nonfinite not in ("warn", "skip"):
         return True
     warned = g.feature_state("nonfinite_warned", set)
     if key in warned:
@@ -57,10 +57,25 @@ def _first_time(g: _guard.Guard, key: Any) -> bool:
 
 def emit(g: _guard.Guard, error: NonFiniteError) -> None:
     __tracebackhide__ = True
-    if g.options.nonfinite == "warn":
+    T.last_error = error
+    mode = g.options.nonfinite
+    if mode == "skip" and T.poisoned:
+        warn_at_user("ampguard: nonfinite='skip': the optimizer step this reached is skipped (parameters, optimizer "
+                     "state and buffers as before the batch, LR schedulers held); the run goes on. Once per origin:\n"
+                     + str(error))
+        return
+    if mode in ("warn", "skip"):
         warn_at_user(str(error))
         return
     raise error
+
+
+def warn_elsewhere(g: _guard.Guard, optimizer: Any) -> None:
+    """Skip mode: this rank skipped a step because another rank's loss or gradients were non-finite."""
+    if _first_time(g, ("another rank", None)):
+        warn_at_user(f"ampguard: nonfinite='skip': the step of {g.name_of(optimizer)} is skipped on every rank: "
+                     "another rank's loss or gradients were non-finite (that rank's warning names the origin). "
+                     "Every rank skips together, so the replicas stay identical.")
 
 
 def build(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
@@ -269,8 +284,12 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     else:
         op, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
-    lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or "
-                 "pow at 0, log near 0, division by a small value, the torch.where trick).")
+    if op is None and replay._distributed():
+        lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
+                     "gradients reach this rank's too. That rank's message names the origin.")
+    else:
+        lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
+                     "or pow at 0, log near 0, division by a small value, the torch.where trick).")
     return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, origin=origin)
 
 

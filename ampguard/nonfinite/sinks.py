@@ -39,7 +39,7 @@ import threading
 import weakref
 from typing import Any
 
-from .. import _guard, _sync
+from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
 from .._frames import user_frames
@@ -161,6 +161,14 @@ class _Thread(threading.local):
         self.replay_root: Any = None  # the module call a replay re-runs now, for names
         self.eager = False  # trace='eager': every recorded op is checked as it runs
         self.eager_stack: list = []  # modules open during an eager-mode forward, for names
+        # nonfinite='skip'
+        self.poisoned = False  # a loss or gradient sink failed since the last step: skip the next one
+        self.elsewhere = False  # ... on another rank only (the all-reduced flag)
+        self.agree: Any = None  # the process group whose ranks agree at the read of this step
+        self.agreeing = False  # the read in progress carries the all-reduced flag as its last value
+        self.hidden: list = []  # (optimizer, [(param, grad)]): a skipped step runs without its gradients
+        self.snapshots: dict[int, tuple] = {}  # id(root) -> (root, buffers, copies) before this step's forward
+        self.last_error: Any = None  # the latest non-finite error, for the consecutive-skip error
 
 
 T = _Thread()
@@ -313,6 +321,8 @@ def enter(module: Any, frame: Any) -> int:
         check()  # the previous call's checks: no step consumed them
     T.resume_tape = resume
     T.entry = _entry(frame)
+    if g.options.nonfinite == "skip" and module.training and T.entry[2] and id(module) not in T.snapshots:
+        _snapshot_buffers(g, module)
     T.eager = g.options.trace == "eager"
     if T.eager:
         T.eager_stack = [module]
@@ -583,12 +593,16 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         return None
     _recover()
     end_tape()
+    while T.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
+        for param, grad in T.hidden.pop()[1]:
+            param.grad = grad
     if DEPTH.counts.get("scaler.step"):
+        T.poisoned = T.elsewhere = False  # GradScaler decides this step from its own found_inf
         return None  # under a GradScaler non-finite gradients are its business; read at update()
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
     if closure is None:
         _add_grads(g, optimizer)
-        check()
+        _check_step(g, optimizer)
         return None
     # The closure runs the forward and backward inside step(): read after it, before the update.
     checked = _CheckedClosure(g, optimizer, closure)
@@ -614,7 +628,7 @@ class _CheckedClosure:
             end_tape()
             _add_grads(self.guard, self.optimizer)
             try:
-                check()
+                _check_step(self.guard, self.optimizer)
             except (AmpGuardError, AmpGuardWarning) as intended:
                 raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
         return result
@@ -626,10 +640,132 @@ class _CheckedClosure:
 @fail_safe(FEATURE)
 def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """Count the step: a parameter it makes non-finite is named at the next call that reads it."""
-    if T.replaying or _guard.current(FEATURE) is None:
+    if T.hidden and T.hidden[-1][0] is optimizer:
+        _, hidden = T.hidden.pop()
+        for param, grad in hidden:
+            param.grad = grad  # as GradScaler leaves them after a skip; the loop's zero_grad() clears them
+        T.snapshots = {}
+        return  # nonfinite='skip' ran it without gradients: nothing changed
+    g = _guard.current(FEATURE)
+    if T.replaying or g is None:
         return
     T.steps += 1
     T.stepped.of(optimizer)
+    T.snapshots = {}
+    if g.options.nonfinite == "skip":
+        _skips_in_row(g)[0] = 0
+
+
+# -- nonfinite='skip' ------------------------------------------------------------------------------
+def _check_step(g: _guard.Guard, optimizer: Any) -> None:
+    """The read before a step not driven by a GradScaler; in skip mode, skip the step if it failed."""
+    __tracebackhide__ = True
+    skip = g.options.nonfinite == "skip"
+    if skip:
+        T.agree = _agreeing_group(g)
+    try:
+        if T.pending or T.agree is not None:
+            end_tape()
+            _sync.read([])[1]()
+        if T.window and not T.pending:
+            _clear_window()
+    finally:
+        T.agree = None
+    if skip and T.poisoned and _guard.current(FEATURE) is g:
+        _skip(g, optimizer)
+
+
+def _skip(g: _guard.Guard, optimizer: Any) -> None:
+    """Run ``optimizer``'s step() without gradients (torch's optimizers then change neither parameters nor
+    state), put back the buffers the skipped forward changed, and hold the schedulers for it."""
+    __tracebackhide__ = True
+    elsewhere, T.poisoned, T.elsewhere = T.elsewhere, False, False
+    in_row = _skips_in_row(g)
+    in_row[0] += 1
+    limit = g.options.max_consecutive_skips
+    if limit is not None and in_row[0] >= limit:
+        in_row[0] = 0
+        last = T.last_error
+        story = f"\n  The latest:\n{_indent(str(last))}" if last is not None else ""
+        raise NonFiniteError(
+            f"ampguard: nonfinite='skip' skipped {limit} optimizer steps in a row (max_consecutive_skips={limit}): "
+            "every batch meets a non-finite loss or gradients, so skipping cannot save this run. The parameters "
+            "are still the last finite ones." + story,
+            kind=getattr(last, "kind", "nan"), sink=getattr(last, "sink", "loss"), op=getattr(last, "op", None),
+            module=getattr(last, "module", None), origin=getattr(last, "origin", None),
+            chain=getattr(last, "chain", None))
+    hidden = [(p, p.grad) for p in params_of(optimizer) if p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    T.hidden.append((optimizer, hidden))
+    _restore_buffers()
+    g.stats.optimizer_steps_skipped += 1
+    g.stats.nonfinite_steps_skipped += 1
+    schedulers.note_nonfinite_skip(g, optimizer)
+    if elsewhere:
+        _failure.warn_elsewhere(g, optimizer)
+
+
+def _skips_in_row(g: _guard.Guard) -> list:
+    return g.feature_state("nonfinite_skips_in_row", lambda: [0])
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _snapshot_buffers(g: _guard.Guard, module: Any) -> None:
+    """Skip mode: the buffers as they were before this step's forward (BatchNorm's running statistics),
+    copied into a stash kept per module: one foreach copy, nothing where the model has no buffers."""
+    buffers = list(module.buffers())
+    if not buffers:
+        return
+    stashes = g.feature_state("nonfinite_stash", lambda: ObjectState(lambda _: []))
+    stash = stashes.get(module)
+    torch = _torch
+    if stash is None or len(stash) != len(buffers) or any(
+            (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device) for a, b in zip(stash, buffers, strict=True)):
+        stash = stashes.set(module, [b.detach().clone() for b in buffers])
+    else:
+        with torch.no_grad():
+            torch._foreach_copy_(stash, [b.detach() for b in buffers])
+    T.snapshots[id(module)] = (module, buffers, stash)
+
+
+def _restore_buffers() -> None:
+    snapshots, T.snapshots = T.snapshots, {}
+    with _torch.no_grad():
+        for _, buffers, stash in snapshots.values():
+            for b, saved in zip(buffers, stash, strict=True):
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+
+
+def _agreeing_group(g: _guard.Guard) -> Any:
+    """In a distributed run where every rank is guarded, the default group (every rank skips together)."""
+    if not g.options.distributed:
+        return None
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    if world <= 1 or not schedulers._every_rank_guarded(dist, None, world):
+        return None
+    return dist
+
+
+def _all_ranks_flag(dist: Any, statuses: Any) -> Any:
+    """1 where any rank's statuses hold a NaN/Inf: one tiny all-reduce, riding this step's read."""
+    torch = _torch
+    device = statuses.device if statuses is not None else torch.device("cpu")
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    if statuses is None:
+        flag = torch.zeros(1, device=device)
+    else:
+        flag = (~torch.isfinite(statuses.to(device))).any().float().reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
 
 
 def stepped_optimizer_of(param: Any) -> Any:
@@ -642,8 +778,17 @@ def stepped_optimizer_of(param: Any) -> Any:
 def _collect() -> list:
     """This guard's pending sinks as one tensor of statuses; another guard's are dropped, never judged here."""
     g = _guard.current(FEATURE)
-    if g is None or not T.pending:
+    agree, T.agree = T.agree, None
+    if g is None or not (T.pending or agree is not None):
         return []
+    statuses = _statuses(g)
+    if agree is None:
+        return [statuses] if statuses is not None else []
+    T.agreeing = True  # the flag is the read's last value
+    return ([statuses] if statuses is not None else []) + [_all_ranks_flag(agree, statuses)]
+
+
+def _statuses(g: _guard.Guard) -> Any:
     pending = T.pending if all(p.guard is g for p in T.pending) else [p for p in T.pending if p.guard is g]
     T.pending = []
     tensors, taken, layout = [], [], []
@@ -666,32 +811,43 @@ def _collect() -> list:
             layout.append((p, at))
     T.reading = layout
     if not layout:
-        return []  # nothing left to read (check() clears the window)
+        return None  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
     if len(statuses) == 1:
-        return [statuses[0].reshape(1)]
+        return statuses[0].reshape(1)
     device = statuses[0].device
     if any(s.device != device for s in statuses):
         statuses = [s.to(device) for s in statuses]
-    return [_torch.stack(statuses)]  # stack promotes: float32 statuses with float64 ones read as float64
+    return _torch.stack(statuses)  # stack promotes: float32 statuses with float64 ones read as float64
 
 
 def _consume(values: list[float]) -> None:
     """Judge the sinks read, in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     layout, T.reading = T.reading, []
+    elsewhere = 0.0
+    if T.agreeing:
+        T.agreeing = False
+        elsewhere, values = values[-1], values[:-1]
     n = len(values) - sum(1 for _, at in layout for i in at if i < 0)  # where the taken statuses start
+    g = _guard.current(FEATURE)
+    skip = g is not None and g.options.nonfinite == "skip"
     failed = None
     for p, at in layout:
         mine = [values[i] if i >= 0 else values[n + ~i] for i in at]
         if any(v != v for v in mine) or (not p.nan_only and (math.inf in mine or -math.inf in mine)
                                           and not _finite_after_all(p)):
-            failed = p
-            break
+            failed = failed or p
+            if not skip:
+                break
+            if p.call is None:  # a loss or gradient sink: skip the step it reaches
+                T.poisoned = True
+    if skip and elsewhere and not T.poisoned:
+        T.poisoned = T.elsewhere = True  # another rank's loss or gradients: every rank skips together
     if failed is None:
         _clear_window()
         return
-    _failure.fail(_guard.current(FEATURE), failed)
+    _failure.fail(g, failed)
 
 
 def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None) -> None:

@@ -1,0 +1,210 @@
+"""nonfinite='skip': a step whose loss or gradients are non-finite is not taken, as if its batch never came."""
+
+import warnings
+
+import pytest
+import torch
+from loops import Overflow
+from test_distributed import run_ranks
+from test_replay import SqrtAtZero, line_of
+
+import ampguard
+
+
+def make(seed=0):
+    """BatchNorm (buffers the forward changes), AdamW (state every step changes) and a decaying schedule."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, opt, sched
+
+
+def batches(n=6):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def train(data, model=None):
+    model, opt, sched = make() if model is None else model
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(model(x), y)  # LOSS LINE
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def identical(a, b):
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    assert all(torch.equal(p, q) for p, q in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True))
+    state_a, state_b = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    assert all(torch.equal(state_a[k][n], state_b[k][n]) for k in state_a for n in state_a[k])
+    assert sa.get_last_lr() == sb.get_last_lr() and sa.last_epoch == sb.last_epoch
+
+
+def corrupt(data, k):
+    out = [(x.clone(), y) for x, y in data]
+    out[k][0][1, 3] = float("nan")
+    return out
+
+
+def ours(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+
+
+def test_a_corrupt_batch_is_skipped_bit_identically_to_a_run_that_never_saw_it():
+    data = batches()
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("always")
+        skipped = train(corrupt(data, 2))
+    identical(skipped, train(data[:2] + data[3:]))  # parameters, BatchNorm's running statistics, AdamW, LR
+    assert g.stats.nonfinite_steps_skipped == g.stats.optimizer_steps_skipped == 1
+    assert g.stats.optimizer_steps_applied == 5 and g.stats.scheduler_steps_held == 1
+    found = ours(caught)
+    assert len(found) == 1
+    assert "nonfinite='skip': the optimizer step this reached is skipped" in found[0]
+    assert "It entered already non-finite (NaN): argument 0 of the call of 'Sequential'" in found[0]
+    assert "skipped by nonfinite='skip'" in g.report()
+    # and the plain run, without ampguard, is lost: NaN everywhere
+    lost, _, _ = train(corrupt(data, 2))
+    assert torch.isnan(lost[0].weight).all()
+
+
+def test_a_step_that_makes_nan_gradients_is_skipped_and_the_op_named_once():
+    model = SqrtAtZero()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert g.stats.nonfinite_steps_skipped == 3
+    found = ours(caught)
+    assert len(found) == 1  # once per origin, while every step is skipped
+    assert "The backward of torch.sqrt (SqrtBackward0)" in found[0]
+    assert f"test_replay.py:{line_of(SqrtAtZero.forward, 'BACKWARD NAN')}" in found[0]
+
+
+def test_consecutive_skips_raise_after_max_consecutive_skips_with_the_latest_origin():
+    data = [(torch.full((4, 8), float("nan")), torch.zeros(4, 1))] * 5
+    model = make()
+    first = [p.detach().clone() for p in model[0].parameters()]
+    with warnings.catch_warnings(), ampguard.guard(nonfinite="skip", max_consecutive_skips=3) as g, \
+            pytest.raises(ampguard.NonFiniteError) as info:
+        warnings.simplefilter("ignore")
+        train(data, model)
+    assert "nonfinite='skip' skipped 3 optimizer steps in a row (max_consecutive_skips=3)" in str(info.value)
+    assert "argument 0 of the call of 'Sequential'" in str(info.value)  # the latest origin, in full
+    assert info.value.sink == "loss"
+    assert g.stats.nonfinite_steps_skipped == 2  # the third raised before it was taken
+    assert all(torch.equal(a, b) for a, b in zip(first, model[0].parameters(), strict=True))
+
+
+def test_an_applied_step_resets_the_count_of_skips_in_a_row():
+    data = batches(8)
+    for k in (1, 3, 5, 7):
+        data = corrupt(data, k)
+    with warnings.catch_warnings(), ampguard.guard(nonfinite="skip", max_consecutive_skips=2) as g:
+        warnings.simplefilter("ignore")
+        train(data)
+    assert g.stats.nonfinite_steps_skipped == 4
+
+
+def test_under_a_grad_scaler_skip_mode_changes_nothing_gradscaler_does():
+    def run(**options):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        scaler = torch.amp.GradScaler("cpu")
+        hook = Overflow(model.weight, {1, 3})
+        with ampguard.guard(**options) as g:
+            for i in range(5):
+                hook.i = i
+                scaler.scale(model(torch.ones(2, 4) * i).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad()
+        return model.weight.detach().clone(), sched.get_last_lr(), scaler.get_scale(), g.stats
+
+    w, lr, scale, stats = run(nonfinite="skip")
+    w_ref, lr_ref, scale_ref, stats_ref = run()
+    assert torch.equal(w, w_ref) and lr == lr_ref and scale == scale_ref
+    assert stats.optimizer_steps_skipped == stats_ref.optimizer_steps_skipped == 2
+    assert stats.nonfinite_steps_skipped == 0
+
+
+def test_a_nan_output_of_an_inference_call_warns():
+    model = torch.nn.Linear(4, 2).eval()
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            out = model(torch.full((1, 4), float("nan")))
+        ampguard.nonfinite.check()
+    assert torch.isnan(out).all() and g.stats.nonfinite_detected == 1 and g.stats.nonfinite_steps_skipped == 0
+    found = ours(caught)
+    assert len(found) == 1 and "NaN reached the output of module 'Linear'" in found[0]
+    assert "step this reached is skipped" not in found[0]
+
+
+def test_a_closure_step_is_skipped_too():
+    data = corrupt(batches(3), 1)
+    model, opt, sched = make()
+    with warnings.catch_warnings(), ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("ignore")
+        for x, y in data:
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+            sched.step()
+    identical((model, opt, sched), train([data[0], data[2]]))
+    assert g.stats.nonfinite_steps_skipped == 1
+
+
+SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(4):
+    x = torch.randn(8, 4)
+    if i == 1:
+        x[0, 0] = float("nan")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("finite", bool(torch.isfinite(model.weight).all()))
+"""
+
+
+def test_ampguard_nonfinite_skip_in_a_subprocess(python):
+    proc = python(SCRIPT, env={"AMPGUARD": "1", "AMPGUARD_NONFINITE": "skip"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "finite True" in proc.stdout
+    assert "nonfinite='skip': the optimizer step this reached is skipped" in proc.stderr
+    assert "3 applied, 0 skipped by GradScaler (inf/NaN gradients), 1 skipped by nonfinite='skip'" in proc.stderr
+    plain = python(SCRIPT)
+    assert "finite False" in plain.stdout  # without it the run is lost
+
+
+@pytest.mark.parametrize("scenario", ["skip_ddp", "skip_replicas"])
+def test_every_rank_skips_together(python, scenario):
+    r0, r1 = run_ranks(python, scenario)
+    assert r0["weight"] == r1["weight"] and r0["lr"] == r1["lr"]
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["applied"] == r1["applied"] == 4
+    assert any("argument 0 of the call of 'Linear'" in w for w in r1["warnings"])  # the corrupt rank: its origin
+    if scenario == "skip_replicas":  # no gradient all-reduce: rank 0 skips because rank 1 did
+        assert r0["warnings"] and "another rank's loss or gradients were non-finite" in r0["warnings"][0]
+    else:
+        assert "DDP/FSDP all-reduce gradients, so another rank's non-finite gradients" in r0["warnings"][0]
