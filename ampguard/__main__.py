@@ -22,10 +22,13 @@ usage: python -m ampguard [python flags: -u -W arg -X arg -O -B ...] script.py [
        python -m ampguard -m package.module [args ...]
        python -m ampguard -c "code" [args ...]
        python -m ampguard doctor
+       python -m ampguard repro BUNDLE.pt [--device cpu|cuda]
        python -m ampguard --version | --help
 
 Runs a Python program with ampguard installed, or (doctor) prints the versions, the start-up
 hook, the options and the patch targets of this environment; exit code 1 if something is wrong.
+repro replays a reproducer bundle (written where repro_dir / AMPGUARD_REPRO_DIR says) and prints
+the origin report: exit code 1 when the NaN/Inf reproduces, 0 when it does not, 2 for a bad bundle.
 Options come from AMPGUARD_* environment variables, for example AMPGUARD_MAX_CONSECUTIVE_SKIPS=50
 or AMPGUARD_TRACE=eager; an invalid value stops with exit code 2 before the program runs."""
 
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from ._doctor import run
 
         return run()
+    if first == "repro":
+        return _repro(argv[1:])
     if first in ("-m", "-c") and len(argv) < 2:
         print(f"ampguard: argument expected for the {first} option\n{USAGE}", file=sys.stderr)
         return 2
@@ -142,6 +147,35 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a directory or zip archive with a __main__.py
             runpy.run_path(path, run_name="__main__")
     return 0
+
+
+def _repro(args: list[str]) -> int:
+    """``repro BUNDLE [--device cpu|cuda[:N]]``: in this process, with the current folder importable."""
+    device = None
+    paths = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+            i += 2
+            continue
+        if args[i].startswith("--device="):
+            device = args[i].partition("=")[2]
+        elif args[i].startswith("-"):
+            print(f"ampguard repro: unknown option {args[i]}\n{USAGE}", file=sys.stderr)
+            return 2
+        else:
+            paths.append(args[i])
+        i += 1
+    if len(paths) != 1 or (device is not None and device.split(":")[0] not in ("cpu", "cuda")):
+        print(f"ampguard repro: expected one bundle path and optionally --device cpu or --device cuda\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's code, where the bundle's classes come from
+    from .nonfinite.repro import run
+
+    return run(paths[0], device)
 
 
 def _zipfile(path: str) -> bool:

@@ -49,6 +49,7 @@ class NonFiniteError(AmpGuardError, FloatingPointError):
         self.module = module
         self.origin = origin
         self.chain = chain or []
+        self.repro: str | None = None  # the reproducer bundle written for it (repro_dir), for python -m ampguard repro
 
     def __reduce__(self) -> tuple:
         return _rebuild, (type(self), self.args, self.__dict__)

@@ -157,7 +157,8 @@ def skip_together(rank, ddp):
     independent replicas (no gradient all-reduce) only rank 1's, and rank 0 must skip with it all the same."""
     import ampguard
 
-    g = ampguard.install(nonfinite="skip")
+    bundles = tempfile.mkdtemp()
+    g = ampguard.install(nonfinite="skip", repro_dir=bundles)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     if ddp:
@@ -177,8 +178,8 @@ def skip_together(rank, ddp):
     s = g.stats
     weight = (model.module if ddp else model).weight
     return {"skipped": s.nonfinite_steps_skipped, "applied": s.optimizer_steps_applied, "lr": opt.param_groups[0]["lr"],
-            "weight": weight.detach().tolist(), "warnings": [str(w.message) for w in caught
-                                                            if "nonfinite='skip'" in str(w.message)]}
+            "weight": weight.detach().tolist(), "bundles": sorted(os.listdir(bundles)),
+            "warnings": [str(w.message) for w in caught if "nonfinite='skip'" in str(w.message)]}
 
 
 SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,

@@ -204,6 +204,7 @@ def test_every_rank_skips_together(python, scenario):
     assert r0["weight"] == r1["weight"] and r0["lr"] == r1["lr"]
     assert r0["skipped"] == r1["skipped"] == 1 and r0["applied"] == r1["applied"] == 4
     assert any("argument 0 of the call of 'Linear'" in w for w in r1["warnings"])  # the corrupt rank: its origin
+    assert len(r1["bundles"]) == 1 and r1["bundles"][0].endswith("-rank1.pt")  # each rank's file, named by rank
     if scenario == "skip_replicas":  # no gradient all-reduce: rank 0 skips because rank 1 did
         assert r0["warnings"] and "another rank's loss or gradients were non-finite" in r0["warnings"][0]
     else:

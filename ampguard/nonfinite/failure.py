@@ -11,7 +11,7 @@ from .. import _guard
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._frames import warn_at_user
 from ..lints import eps_message
-from . import replay, report, sinks
+from . import replay, report, repro, sinks
 from .sinks import Call, Pending, T
 
 log = logging.getLogger("ampguard")
@@ -33,6 +33,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     module = p.call.module if p.call is not None else None
     if not _first_time(g, (p.sink, type(module) if module is not None else None)):
         return  # warn mode replays once per sink and module
+    repro.LAST = None
     try:
         error = build(g, p, window, losses)
     except (AmpGuardError, AmpGuardWarning):
@@ -41,6 +42,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         log.error("ampguard: the replay of a non-finite %s failed", p.sink, exc_info=exc)
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
+    if g.options.repro_dir is not None:
+        repro.attach(g, error)
     emit(g, error)
 
 
@@ -186,6 +189,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                   kind: str, noted: list[str]) -> NonFiniteError:
     records = session.records
     rec = records[result["origin"]]
+    if g.options.repro_dir is not None and rec.event >= 0:
+        repro.LAST = repro.Origin(window, rec.event, result["origin"], "forward",
+                                  module=rec.module if rec.module is not rec.root else None, names=session.names)
     label, op = _label(rec)
     module = report.module_path(rec.root, rec.module)
     own, user_site, user = report.sites(rec.frames)
@@ -317,6 +323,9 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         return None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
     if found_kinds is not None:
         found_kinds.update(found["kinds"])
+    event = session.node_event.get(found["node_id"])
+    if g.options.repro_dir is not None and event is not None:
+        repro.LAST = repro.Origin(window, event, None, "backward")
     function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
     if function is not None:  # a custom autograd.Function: its class, and the backward it defines
@@ -378,7 +387,10 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     tail = ["  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or pow "
             "at 0, log near 0, division by a small value, the torch.where trick). This check runs after "
             f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
-    emit(g, NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, origin=origin))
+    error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, origin=origin)
+    if g.options.repro_dir is not None:
+        repro.attach(g, error)
+    emit(g, error)
 
 
 # -- parameters a step made non-finite -------------------------------------------------------

@@ -34,8 +34,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("constant", "dtype", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "numbers", "ref",
-                 "root", "shape")
+    __slots__ = ("constant", "dtype", "event", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "numbers",
+                 "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -52,6 +52,7 @@ class OpRecord:
         self.shape = shape
         self.dtype = dtype
         self.numbers = numbers  # non-finite Python numbers among its arguments (x * float("nan"))
+        self.event = -1  # the window event it ran in
 
 
 class Session:
@@ -73,6 +74,9 @@ class Session:
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
+        self.event = -1  # the window event being replayed
+        self.names = True  # replayed with torch-function naming (see run_window)
+        self.stop_after: int | None = None  # a capture for a reproducer stops once this record is made
 
     def producer_of(self, tensor: Any) -> int | None:
         entry = self.producer.get(id(tensor))
@@ -124,9 +128,13 @@ class Session:
             found = kinds(o) if o.numel() else frozenset()
             if found and len(self.alive) < 4096:
                 self.alive.append(o)
-            self.records.append(OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
-                                         weakref.ref(o), tuple(o.shape), o.dtype, constant, tuple(numbers)))
+            record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
+                              weakref.ref(o), tuple(o.shape), o.dtype, constant, tuple(numbers))
+            record.event = self.event
+            self.records.append(record)
             self.producer[id(o)] = (weakref.ref(o), index)
+        if self.stop_after is not None and len(self.records) > self.stop_after:
+            raise Reached
 
 
 def kinds(tensor: Any) -> frozenset:
@@ -259,6 +267,10 @@ def _calling_module(frame: Any, stop: Any) -> Any:
     return None
 
 
+class Reached(Exception):
+    """A capture replay made the record it was looking for (see Session.stop_after)."""
+
+
 class Freed(Exception):
     """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
 
@@ -332,7 +344,9 @@ def run_window(session: Session, window: list, names: bool = True) -> None:
     if not names:
         named = contextlib.nullcontext()
     session.stop = run_window.__code__
+    session.names = names
     for index, event in enumerate(window):
+        session.event = index
         try:
             _run_event(session, event, index, checker, named)
         except Freed as freed:

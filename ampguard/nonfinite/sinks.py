@@ -687,13 +687,15 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
         in_row[0] = 0
         last = T.last_error
         story = f"\n  The latest:\n{_indent(str(last))}" if last is not None else ""
-        raise NonFiniteError(
+        error = NonFiniteError(
             f"ampguard: nonfinite='skip' skipped {limit} optimizer steps in a row (max_consecutive_skips={limit}): "
             "every batch meets a non-finite loss or gradients, so skipping cannot save this run. The parameters "
             "are still the last finite ones." + story,
             kind=getattr(last, "kind", "nan"), sink=getattr(last, "sink", "loss"), op=getattr(last, "op", None),
             module=getattr(last, "module", None), origin=getattr(last, "origin", None),
             chain=getattr(last, "chain", None))
+        error.repro = getattr(last, "repro", None)  # the bundle the first warning of that origin wrote
+        raise error
     hidden = [(p, p.grad) for p in params_of(optimizer) if p.grad is not None]
     for p, _ in hidden:
         p.grad = None

@@ -1,0 +1,396 @@
+"""Reproducer bundles: a NaN at hour 37 of a multi-GPU job, replayed on a workstation in seconds.
+
+On the failure path only (``repro_dir`` set), after the replay has found the origin, one more
+replay captures the *smallest module whose call holds the origin op* at the entry of that call:
+the module (its class from your code, its parameters), its buffers as they were then, its inputs,
+the RNG state, autocast and grad mode. An op of the loss code, outside any module, is bundled as
+the op and its inputs. A backward origin bundles the outermost call (its forward and backward).
+
+A bundle is one ``torch.save`` file whose outer layer loads with ``weights_only=True`` (metadata,
+tensors, and the module's own pickle as bytes). ``python -m ampguard repro PATH`` loads it,
+rebuilds the module (that part needs ``weights_only=False``: a module is an object of your code),
+runs it under a fresh guard and prints the same origin report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from .. import _guard
+from .._errors import NonFiniteError
+from . import replay, report, sinks
+from .sinks import TapeOp
+
+FORMAT = "ampguard-repro/1"
+
+
+@dataclasses.dataclass
+class Origin:
+    """What the failure path found, for the bundle: the window, the event the op ran in, and (forward)
+    the index of its record in a replay of that window with the same naming."""
+
+    window: list
+    event: int
+    record: int | None
+    direction: str  # "forward" or "backward"
+    module: Any = None  # the innermost module the op ran in (forward), None for the loss code or the root
+    names: bool = True
+
+
+LAST: Origin | None = None  # set by the failure path while it builds an error; taken by attach()
+
+
+class NotBundled(Exception):
+    """Why no bundle was written; the message says it in one line."""
+
+
+def attach(g: _guard.Guard, error: NonFiniteError) -> None:
+    """Write the bundle for ``error`` into ``g.options.repro_dir``; set ``error.repro`` and say where (or why not)."""
+    global LAST
+    origin, LAST = LAST, None
+    try:
+        path = write(g, error, origin)
+        error.repro = path
+        line = f"  reproducer: {path}\n    python -m ampguard repro {path}"
+    except NotBundled as why:
+        line = f"  no reproducer written: {why}"
+    except Exception as exc:  # the error is the news; a failed bundle must not hide it
+        _log(exc)
+        line = f"  no reproducer written: {type(exc).__name__}: {exc} (see the 'ampguard' log)"
+    error.args = (f"{error.args[0]}\n{line}", *error.args[1:])
+
+
+def _log(exc: BaseException) -> None:
+    import logging
+
+    logging.getLogger("ampguard").error("ampguard: writing a reproducer failed", exc_info=exc)
+
+
+def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
+    torch = sinks._torch
+    if origin is None:
+        raise NotBundled("no origin was found to bundle (the replay did not reproduce it, or did not run)")
+    window = origin.window
+    event = window[origin.event]
+    captured = _capture(origin)
+    target = captured.pop("target")
+    if type(event) is TapeOp:
+        kind, payload = "op", {"func": report.op_name(event.func), "args": captured.pop("args"),
+                               "kwargs": captured.pop("kwargs")}
+        names = {"module_class": None, "module_path": None, "root_class": None}
+    else:
+        root = getattr(event.module, "_orig_mod", event.module)
+        module = getattr(target, "_orig_mod", target)
+        _check_bundlable(module)
+        kind, payload = "module", {"module": module, "args": captured.pop("args"), "kwargs": captured.pop("kwargs")}
+        names = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+                 "module_path": report.module_path(root, module), "root_class": type(root).__qualname__}
+    buffer = io.BytesIO()
+    try:
+        torch.save(payload, buffer)
+    except Exception as exc:
+        raise NotBundled(f"the module or its inputs cannot be pickled ({type(exc).__name__}: {exc})") from None
+    data = buffer.getvalue()
+    weights_only = kind == "op" and _loads_weights_only(data)
+    size = len(data) + sum(t.numel() * t.element_size() for t in captured["buffers"].values())
+    limit = g.options.repro_max_mb
+    if size > limit * 2**20:
+        raise NotBundled(f"the bundle would be {size / 2**20:.1f} MB, over repro_max_mb={limit:g}; raise "
+                         "repro_max_mb to write it")
+    rank = _rank()
+    meta = {
+        "format": FORMAT, "kind": kind, "direction": origin.direction, **names,
+        "versions": {"torch": str(torch.__version__), "ampguard": str(_version()), "python": platform.python_version()},
+        "options": {k: repr(v) for k, v in g.options.as_dict().items()},
+        "message": str(error), "op": error.op, "sink": error.sink, "script": sys.argv[0] if sys.argv else "",
+        "rank": rank, "payload": data, "payload_weights_only": weights_only, **captured,
+    }
+    folder = os.path.abspath(os.path.expanduser(g.options.repro_dir))
+    os.makedirs(folder, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"ampguard-repro-{stamp}-{os.getpid()}" + (f"-rank{rank}" if rank is not None else "")
+    path = os.path.join(folder, name + ".pt")
+    n = 1
+    while os.path.exists(path):
+        path = os.path.join(folder, f"{name}-{n}.pt")
+        n += 1
+    tmp = path + ".partial"
+    torch.save(meta, tmp)
+    os.replace(tmp, path)  # a bundle is whole or absent
+    return path
+
+
+def _capture(origin: Origin) -> dict:
+    """Replay the window up to the origin once more and take the inputs and buffers of the smallest module
+    call holding it, at that call's entry."""
+    torch = sinks._torch
+    window = origin.window
+    event = window[origin.event]
+    session = replay.Session()
+    taken: dict = {}
+    with replay.untouched(window):
+        replay.run_window(session, window[:origin.event], names=origin.names)
+        try:
+            if type(event) is TapeOp:
+                args = replay._map(session, event.args, True, "an input of the loss code")
+                kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
+                return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
+            root = getattr(event.module, "_orig_mod", event.module)
+            target = origin.module if origin.module is not None else root
+            target = getattr(target, "_orig_mod", target)
+            if target is root:  # the replay calls the root's forward itself: its inputs are the call's
+                args, kwargs = replay._map_call(session, event, type(root).__name__)
+                return {**_snapshot(root, args, kwargs, event.autocast, event.grad, event.inference, rng=event.rng),
+                        "target": root}
+        except replay.Freed as freed:
+            raise NotBundled(str(freed)) from None
+
+        def pre(module: Any, args: tuple, kwargs: dict) -> None:
+            taken.clear()  # the latest entry before the origin op: a module called twice is bundled at the call
+            taken.update(_snapshot(module, args, kwargs, sinks._autocast_state(), torch.is_grad_enabled(),
+                                   torch.is_inference_mode_enabled(), rng=sinks._rng_state()))
+
+        handle = target.register_forward_pre_hook(pre, with_kwargs=True)
+        session.stop_after = origin.record
+        try:
+            _run_one(session, window, origin)
+        except replay.Reached:
+            pass
+        except replay.Freed as freed:
+            raise NotBundled(str(freed)) from None
+        finally:
+            handle.remove()
+    if not taken:
+        raise NotBundled("the capture replay did not reach the module call that holds the origin")
+    taken["target"] = target
+    return taken
+
+
+def _run_one(session: replay.Session, window: list, origin: Origin) -> None:
+    """Replay the origin's event alone, after the events before it (already in ``session``)."""
+    checker, named = replay._modes(session)
+    session.stop = _run_one.__code__
+    session.event = origin.event
+    replay._run_event(session, window[origin.event], origin.event, checker,
+                      named if origin.names else contextlib.nullcontext())
+
+
+def _snapshot(module: Any, args: Any, kwargs: Any, autocast: Any, grad: bool, inference: bool,
+              rng: Any = None) -> dict:
+    torch = sinks._torch
+    cpu, cuda = rng if rng is not None else sinks._rng_state()
+    return {
+        "args": _detached(args), "kwargs": _detached(kwargs),
+        "buffers": {name: b.detach().clone() for name, b in module.named_buffers()} if module is not None else {},
+        "rng_cpu": cpu.clone(), "rng_cuda": (cuda[0], cuda[1].clone()) if cuda is not None else None,
+        "autocast": [(device, str(dtype).replace("torch.", "")) for device, dtype in (autocast or ())],
+        "grad": bool(grad), "inference": bool(inference), "training": bool(getattr(module, "training", True)),
+        "devices": sorted({t.device.type for t in _tensors((args, kwargs))} or {"cpu"}),
+        "torch_default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
+    }
+
+
+def _detached(value: Any) -> Any:
+    torch = sinks._torch
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone()
+        return copy.requires_grad_(True) if value.requires_grad and copy.is_floating_point() else copy
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list:
+    torch = sinks._torch
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _check_bundlable(module: Any) -> None:
+    for m in module.modules():
+        names = {c.__name__ for c in type(m).__mro__}
+        if names & {"FullyShardedDataParallel", "FSDPModule"}:
+            raise NotBundled("FSDP-sharded modules are not bundled: each rank holds only a shard of the "
+                             "parameters, so no one file can rebuild the module")
+        if any(getattr(p, "_is_sharded", False) or type(p).__name__ == "DTensor" for p in m.parameters(recurse=False)):
+            raise NotBundled("modules with sharded (DTensor) parameters are not bundled: each rank holds only a shard")
+
+
+def _loads_weights_only(data: bytes) -> bool:
+    try:
+        sinks._torch.load(io.BytesIO(data), weights_only=True)
+        return True
+    except Exception:
+        return False
+
+
+def _rank() -> int | None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.get_rank()
+    except Exception:
+        pass
+    return None
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+# -- python -m ampguard repro ---------------------------------------------------------------------
+class BadBundle(Exception):
+    """A bundle that cannot be replayed here; the message is the one line the command prints."""
+
+
+class _Op:
+    """A loss-code op as a module call, so the guard records it and its replay names the op."""
+
+    def __init__(self, torch: Any, func: Any, kwargs: dict) -> None:
+        class OpCall(torch.nn.Module):
+            def forward(self, *args: Any) -> Any:
+                return func(*args, **kwargs)
+
+        self.module = OpCall()
+
+
+def _resolve_func(name: str) -> Any:
+    """torch.log, Tensor.div, torch.nn.functional.cross_entropy: the op a bundle names, from torch."""
+    import importlib
+
+    import torch
+
+    if name.startswith("Tensor."):
+        return getattr(torch.Tensor, name[len("Tensor."):])
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
+    """(metadata, module, args, kwargs, how it was loaded); BadBundle with one line when it cannot be."""
+    import torch
+
+    # without --device, tensors go where they were recorded; on a machine without CUDA, to the CPU for now, and
+    # run() says to pass --device cpu
+    where = torch.device(device) if device is not None else None if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        meta = torch.load(path, weights_only=True, map_location=where)
+    except FileNotFoundError:
+        raise BadBundle(f"no such file: {path}") from None
+    except Exception as exc:
+        raise BadBundle(f"{path} is not a readable ampguard bundle ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise BadBundle(f"{path} is not an ampguard reproducer bundle (format {FORMAT} expected)")
+    if meta["kind"] == "op":
+        payload = torch.load(io.BytesIO(meta["payload"]), weights_only=True, map_location=where)
+        try:
+            func = _resolve_func(payload["func"])
+        except (ImportError, AttributeError):
+            raise BadBundle(f"the op {payload['func']} does not exist in torch {torch.__version__}") from None
+        module = _Op(torch, func, payload["kwargs"]).module
+        how = "loaded with weights_only=True (an op and its tensors)"
+        return meta, module, payload["args"], {}, how
+    try:
+        payload = torch.load(io.BytesIO(meta["payload"]), weights_only=False, map_location=where)
+    except (ImportError, AttributeError) as exc:
+        cls = meta.get("module_class") or "?"
+        if cls.startswith("__main__."):
+            raise BadBundle(f"the bundled module's class {cls[len('__main__.'):]} was defined in the script that ran "
+                            f"({meta.get('script') or 'its __main__'}), which another process cannot import: define "
+                            "it in a module of your code and run again") from None
+        raise BadBundle(f"the bundled module's class {cls} cannot be imported here ({type(exc).__name__}: {exc}); run "
+                        "from where your code is importable (its folder, or with it installed)") from None
+    except Exception as exc:
+        raise BadBundle(f"the module in {path} cannot be rebuilt ({type(exc).__name__}: {exc})") from None
+    module = payload["module"]
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            saved = meta["buffers"].get(name)
+            if saved is not None and saved.shape == b.shape:
+                b.copy_(saved)  # as they were when the call began
+    how = (f"the metadata loaded with weights_only=True; the module ({meta['module_class']}) is an object of your "
+           "code, which weights_only cannot rebuild, so that part was unpickled: open bundles only from runs you trust")
+    return meta, module, payload["args"], payload["kwargs"], how
+
+
+def run(path: str, device: str | None = None) -> int:
+    """Replay a bundle under a fresh guard. 1: the value reproduced (the report is printed); 0: it did not;
+    2: the bundle cannot be replayed here (one line)."""
+    import torch
+
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        print("ampguard repro: --device cuda was asked for, and this machine has no CUDA device; run with --device "
+              "cpu to replay it on the CPU", file=sys.stderr)
+        return 2
+    try:
+        meta, module, args, kwargs, how = load(path, device)
+    except BadBundle as bad:
+        print(f"ampguard repro: {bad}", file=sys.stderr)
+        return 2
+
+    import ampguard
+
+    target = device or (meta["devices"][0] if meta["devices"] else "cpu")
+    if target.startswith("cuda") and not torch.cuda.is_available():
+        print(f"ampguard repro: the bundle was recorded on {target}, and this machine has no CUDA device; run with "
+              "--device cpu to replay it on the CPU", file=sys.stderr)
+        return 2
+    what = (f"module '{meta['module_path']}' ({meta['module_class']}) of {meta['root_class']}"
+            if meta["kind"] == "module" else "the loss-code op, outside any module")
+    v = meta["versions"]
+    print(f"ampguard repro: {path}\n  bundled: {what}, {meta['direction']} pass; recorded with torch {v['torch']}, "
+          f"ampguard {v['ampguard']}, Python {v['python']}" + (f", rank {meta['rank']}" if meta["rank"] is not None
+                                                                 else "")
+          + f"\n  {how}\n  originally: {meta['message'].splitlines()[0]}\n  replaying on {target} ...", flush=True)
+    if device is not None:
+        module.to(device)
+    module.train(meta["training"])
+    torch.default_generator.set_state(meta["rng_cpu"].cpu())
+    if meta["rng_cuda"] is not None and target.startswith("cuda"):
+        torch.cuda.default_generators[torch.cuda.current_device()].set_state(meta["rng_cuda"][1].cpu())
+    dev_type = torch.device(target).type
+    stack = contextlib.ExitStack()
+    for recorded, dtype in meta["autocast"]:
+        stack.enter_context(torch.autocast(dev_type if recorded in ("cpu", "cuda") else recorded,
+                                           dtype=getattr(torch, dtype)))
+    grad = torch.inference_mode() if meta["inference"] else torch.set_grad_enabled(meta["grad"])
+    try:
+        with ampguard.guard(nonfinite="raise", trace="replay", repro_dir=None):
+            with stack, grad:
+                out = module(*args, **kwargs)
+            for p in sinks.T.pending:
+                p.nan_only = False  # any NaN/Inf of the bundled output is the news here
+            if meta["direction"] == "backward" and not meta["inference"]:
+                outs = [o for o, _ in sinks.floating(out) if o.requires_grad]
+                params = [q for q in module.parameters() if q.requires_grad]
+                if outs and params:
+                    sum(o.float().sum() for o in outs).backward()
+                    torch.optim.SGD(params, lr=0.0).step()  # the gradient sink: read before the step
+            ampguard.nonfinite.check()
+    except NonFiniteError as error:
+        print(f"\n{error}\n\nampguard repro: reproduced.", flush=True)
+        return 1
+    state = "state, " if meta["kind"] == "module" else ""
+    print(f"ampguard repro: did not reproduce: replayed from the same inputs, {state}"
+          "RNG state, autocast and grad mode, every value stayed finite. The original was a transient fault "
+          "(nondeterminism, a hardware error), or this device differs from the one that made it "
+          f"(recorded on {', '.join(meta['devices'])}, replayed on {target}).")
+    return 0

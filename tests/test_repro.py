@@ -1,0 +1,260 @@
+"""Reproducer bundles: written on a NaN in one process, replayed by ``python -m ampguard repro`` in another."""
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+import ampguard
+
+MODELS = '''
+import torch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d, bad=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.fc2 = torch.nn.Linear(4 * d, d)
+        self.bad = bad
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.bad:
+            h = torch.log(h - 10.0)  # FORWARD ORIGIN
+        return self.fc2(torch.relu(h))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, bad=False):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = MLP(d, bad)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Model(torch.nn.Module):
+    """A small language model: the embedding and the head are most of its size."""
+
+    def __init__(self, vocab=5000, d=64, n=4, bad_block=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([Block(d, i == bad_block) for i in range(n)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class SqrtAtZero(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.sqrt(h * 0)  # BACKWARD ORIGIN
+'''
+
+TRAIN = '''
+import sys, torch, ampguard
+from nanmodels import Model
+ampguard.install()
+torch.manual_seed(0)
+model = Model(bad_block=int(sys.argv[1]))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+idx = torch.randint(0, 5000, (2, 8))
+try:
+    logits = model(idx)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, 5000), idx.view(-1))
+    loss.backward()
+    opt.step()
+except ampguard.NonFiniteError as err:
+    print("REPRO", err.repro)
+    print("SIZE", sum(p.numel() * p.element_size() for p in model.parameters()))
+'''
+
+
+@pytest.fixture
+def code(tmp_path):
+    (tmp_path / "nanmodels.py").write_text(MODELS)
+    return tmp_path
+
+
+def line(marker):
+    return next(i for i, text in enumerate(MODELS.splitlines(), 1) if marker in text)
+
+
+def repro(python, path, cwd, *args):
+    return python(None, "-m", "ampguard", "repro", str(path), *args, cwd=cwd)
+
+
+def test_a_bundle_from_one_process_replays_in_another_naming_the_op_and_the_line(python, code):
+    proc = python(TRAIN, "2", env={"AMPGUARD_REPRO_DIR": str(code / "bundles")}, cwd=code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = pathlib.Path(proc.stdout.split("REPRO ")[1].split()[0])
+    model_size = int(proc.stdout.split("SIZE ")[1].split()[0])
+    assert path.parent == code / "bundles" and path.exists()
+    # only blocks.2.mlp and its input: far under the model (embedding and head are most of it)
+    assert path.stat().st_size < model_size / 8, (path.stat().st_size, model_size)
+    out = repro(python, path, code)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "bundled: module 'blocks.2.mlp' (nanmodels.MLP) of Model, forward pass" in out.stdout
+    assert "It was created by torch.log (inputs finite, output NaN)" in out.stdout
+    assert f"nanmodels.py:{line('FORWARD ORIGIN')} in forward" in out.stdout
+    assert "weights_only cannot rebuild" in out.stdout  # why the module part is unpickled
+    assert out.stdout.rstrip().endswith("ampguard repro: reproduced.")
+    assert "Traceback" not in out.stderr
+
+
+def test_the_error_carries_the_bundle_and_says_where(code, monkeypatch):
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    torch.manual_seed(0)
+    model = Model(bad_block=0)
+    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randint(0, 5000, (2, 8))).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert info.value.repro is not None and os.path.exists(info.value.repro)
+    assert f"reproducer: {info.value.repro}\n    python -m ampguard repro {info.value.repro}" in str(info.value)
+    meta = torch.load(info.value.repro, weights_only=True)  # the outer layer needs no code to read
+    assert meta["module_path"] == "blocks.0.mlp" and meta["kind"] == "module" and meta["rank"] is None
+    assert meta["versions"]["torch"] == str(torch.__version__) and meta["options"]["repro_dir"]
+
+
+def test_a_backward_origin_bundles_the_call_and_replays_its_backward(python, code, monkeypatch):
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import SqrtAtZero
+
+    model = SqrtAtZero()
+    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    out = repro(python, info.value.repro, code)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "backward pass" in out.stdout
+    assert "The backward of torch.sqrt (SqrtBackward0)" in out.stdout
+    assert f"nanmodels.py:{line('BACKWARD ORIGIN')}" in out.stdout
+
+
+def test_a_loss_code_op_is_bundled_as_the_op_and_loads_weights_only(python, tmp_path):
+    model = torch.nn.Linear(4, 2)
+    with ampguard.guard(repro_dir=str(tmp_path)), pytest.raises(ampguard.NonFiniteError) as info:
+        probs = torch.softmax(model(torch.randn(3, 4)), -1) * 0
+        loss = -torch.log(probs).mean()  # -inf in the loss code
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert info.value.op == "torch.log"
+    out = repro(python, info.value.repro, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the loss-code op, outside any module" in out.stdout
+    assert "loaded with weights_only=True" in out.stdout
+    assert "created by torch.log" in out.stdout
+
+
+def test_a_value_that_does_not_reproduce_exits_0_and_says_so(python, code, monkeypatch):
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    torch.manual_seed(0)
+    model = Model(bad_block=1)
+    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randint(0, 5000, (2, 8))).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    # rewrite the bundle as a transient fault would leave it: the same call, now finite
+    meta = torch.load(info.value.repro, weights_only=True)
+    body = torch.load(__import__("io").BytesIO(meta["payload"]), weights_only=False)
+    body["module"].bad = False
+    buffer = __import__("io").BytesIO()
+    torch.save(body, buffer)
+    meta["payload"] = buffer.getvalue()
+    torch.save(meta, info.value.repro)
+    out = repro(python, info.value.repro, code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "did not reproduce" in out.stdout and "transient fault" in out.stdout
+
+
+def test_broken_bundles_get_one_line_not_a_traceback(python, code, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a bundle at all")
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    for path, words in ((garbage, "is not a readable ampguard bundle"),
+                        (other, "is not an ampguard reproducer bundle"),
+                        (tmp_path / "missing.pt", "no such file")):
+        out = repro(python, path, tmp_path)
+        assert out.returncode == 2 and words in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    # a class that cannot be imported where the command runs
+    proc = python(TRAIN, "2", env={"AMPGUARD_REPRO_DIR": str(code / "bundles")}, cwd=code)
+    path = proc.stdout.split("REPRO ")[1].split()[0]
+    out = repro(python, path, tmp_path / "..")
+    assert out.returncode == 2 and "nanmodels.MLP cannot be imported here" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    out = repro(python, path, code, "--device", "cuda")
+    if not torch.cuda.is_available():
+        assert out.returncode == 2 and "--device cpu" in out.stderr
+
+
+def test_a_bundle_over_the_size_cap_is_not_written_and_the_message_says_why(code, monkeypatch):
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    torch.manual_seed(0)
+    model = Model(bad_block=2)
+    with ampguard.guard(repro_dir=str(code / "b"), repro_max_mb=0.01), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randint(0, 5000, (2, 8))).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert info.value.repro is None and not (code / "b").exists()
+    assert "no reproducer written: the bundle would be 0.1 MB, over repro_max_mb=0.01" in str(info.value)
+
+
+def test_skip_mode_writes_one_bundle_per_origin(code, monkeypatch):
+    import warnings
+
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    torch.manual_seed(0)
+    model = Model(bad_block=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, \
+            ampguard.guard(nonfinite="skip", repro_dir=str(code / "b")) as g:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randint(0, 5000, (2, 8))).float().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert g.stats.nonfinite_steps_skipped == 3
+    assert len(list((code / "b").iterdir())) == 1
+    assert sum("python -m ampguard repro" in str(w.message) for w in caught) == 1
+
+
+def test_no_bundle_is_written_on_the_normal_path(code, monkeypatch):
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    model = Model(bad_block=-1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(repro_dir=str(code / "b")):
+        for _ in range(2):
+            model(torch.randint(0, 5000, (2, 8))).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert not (code / "b").exists()
+
+
+def test_repro_usage_errors(python, tmp_path):
+    out = python(None, "-m", "ampguard", "repro", cwd=tmp_path)
+    assert out.returncode == 2 and "expected one bundle path" in out.stderr
+    out = python(None, "-m", "ampguard", "repro", "x.pt", "--device", "tpu", cwd=tmp_path)
+    assert out.returncode == 2 and "--device cpu or --device cuda" in out.stderr
+
+
