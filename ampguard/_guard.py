@@ -113,6 +113,7 @@ class Guard:
         self._state: dict[str, Any] = {}
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
+        self.reproducers: list[str] = []  # the reproducer bundles written under this guard (repro_dir)
 
     @property
     def options(self) -> _options.Options:
@@ -161,6 +162,12 @@ class Guard:
             lines.append(f"  loss scale: last {s.loss_scale:g} (range {s.loss_scale_min:g} .. {s.loss_scale_max:g})")
         lines.append(f"  closures injected: {s.closures_injected}")
         lines.append(f"  non-finite values detected: {s.nonfinite_detected}")
+        if self.reproducers:
+            lines.append(f"  reproducers: {len(self.reproducers)} written to "
+                         f"{os.path.dirname(self.reproducers[0])}; replay one with: python -m ampguard repro "
+                         f"{self.reproducers[-1]}")
+        elif self.options.repro_dir is not None and s.nonfinite_detected:
+            lines.append(f"  reproducers: none written to {self.options.repro_dir} (each message says why)")
         if self._disabled:
             lines.append(f"  disabled after an internal error: {', '.join(sorted(self._disabled))} "
                          "(see the 'ampguard' log)")

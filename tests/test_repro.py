@@ -258,3 +258,26 @@ def test_repro_usage_errors(python, tmp_path):
     assert out.returncode == 2 and "--device cpu or --device cuda" in out.stderr
 
 
+
+
+SKIP_RUN = '''
+import torch
+from nanmodels import Model
+torch.manual_seed(0)
+model = Model(bad_block=2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(3):
+    model(torch.randint(0, 5000, (2, 8))).float().mean().backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_under_ampguard_1_the_exit_report_says_where_bundles_went(python, code):
+    proc = python(SKIP_RUN, env={"AMPGUARD": "1", "AMPGUARD_NONFINITE": "skip", "AMPGUARD_REPRO_DIR": "bundles"},
+                  cwd=code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (bundle,) = (code / "bundles").iterdir()
+    assert f"reproducers: 1 written to {code / 'bundles'}; replay one with: python -m ampguard repro {bundle}" \
+        in proc.stderr
+    assert "3 skipped by nonfinite='skip'" in proc.stderr

@@ -124,6 +124,7 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
     tmp = path + ".partial"
     torch.save(meta, tmp)
     os.replace(tmp, path)  # a bundle is whole or absent
+    g.reproducers.append(path)
     return path
 
 
