@@ -132,7 +132,8 @@ _TEXT = {"schedulers": _BOOL_TEXT, "distributed": _BOOL_TEXT, "closures": _BOOL_
          "check_unscaled_after": "a positive integer or 'none'", "nonfinite": "raise, warn, skip or off",
          "trace": "replay, eager or off (deferred is accepted as replay)",
          "devices": "all, or device types separated by commas, such as cuda or cuda,cpu",
-         "repro_dir": "a folder path, or 'none'", "repro_max_mb": "a positive number of megabytes"}
+         "repro_dir": "a folder path (not an existing file), or 'none'",
+         "repro_max_mb": "a positive number of megabytes"}
 
 
 def _spec(name: str, default: Any, accepted: str, check: Callable, parse_env: Callable, doc: str) -> None:
@@ -238,7 +239,7 @@ def _check_dir(value: Any) -> str | None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not value.strip() or os.path.isfile(value):
         raise _Reject
     return value
 
@@ -263,7 +264,7 @@ def _env_mb(text: str) -> float:
 _spec(
     "repro_dir",
     None,
-    "None (no reproducers) or a folder path (env: a path, or 'none')",
+    "None (no reproducers) or a folder path, not an existing file (env: a path, or 'none')",
     _check_dir,
     _env_dir,
     "Where a NonFiniteError (or the first warning per origin) writes a reproducer bundle that "

@@ -371,6 +371,8 @@ BAD_VALUES = {
     "nonfinite": ["RAISE", True, None, "", "crash"],
     "trace": ["lazy", 1, None],
     "devices": [(), ["cuda:0"], ("cdua",), (1,), 3, ""],
+    "repro_dir": [3, "", "   ", True, __file__],  # an existing file is no folder
+    "repro_max_mb": [0, -1, "8", True, float("nan"), None],
 }
 
 
@@ -397,7 +399,8 @@ GARBAGE = ["garbage", "-1", "2.5", "on,off", "nan"]
 
 @pytest.mark.parametrize("variable", [s.env for s in _options.SPECS.values()] + ["AMPGUARD", "AMPGUARD_REPORT"])
 def test_every_ampguard_variable_with_garbage_prints_one_line_and_runs(python, variable):
-    for text in GARBAGE:
+    garbage = [__file__] if variable == "AMPGUARD_REPRO_DIR" else GARBAGE  # any other text is a folder to be made
+    for text in garbage:
         try:
             if variable in ("AMPGUARD", "AMPGUARD_REPORT"):
                 _options.env_flag(variable, False, {variable: text})
