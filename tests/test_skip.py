@@ -209,3 +209,18 @@ def test_every_rank_skips_together(python, scenario):
         assert r0["warnings"] and "another rank's loss or gradients were non-finite" in r0["warnings"][0]
     else:
         assert "DDP/FSDP all-reduce gradients, so another rank's non-finite gradients" in r0["warnings"][0]
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_fit_skips_the_step_and_holds_the_per_step_scheduler(namespace):
+    L = pytest.importorskip(namespace)
+    from test_lightning import BATCHES, fit, module_class
+
+    model = module_class(L, sched=True, overflow=(1,))()  # batch 1's gradients are inf; no GradScaler
+    with ampguard.guard(nonfinite="skip") as g:
+        trainer, ours = fit(L, model)
+    assert model.training_steps == BATCHES
+    assert torch.isfinite(model.layer.weight).all()
+    assert g.stats.nonfinite_steps_skipped == 1 and g.stats.optimizer_steps_applied == BATCHES - 1
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == BATCHES - 1
+    assert len(ours) == 1 and "the optimizer step this reached is skipped" in str(ours[0].message)

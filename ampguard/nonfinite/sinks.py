@@ -525,6 +525,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     if g is not None and not T.replaying:
         end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
+        T.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
     if g is None or T.replaying or not getattr(instance, "_enabled", False):
         return out
