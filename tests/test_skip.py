@@ -56,11 +56,14 @@ def ours(caught):
     return [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
 
 
-def test_a_corrupt_batch_is_skipped_bit_identically_to_a_run_that_never_saw_it():
+def test_a_corrupt_batch_is_skipped_bit_identically_to_a_run_that_never_saw_it(caplog):
     data = batches()
-    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g:
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g, \
+            caplog.at_level("WARNING", logger="ampguard"):
         warnings.simplefilter("always")
         skipped = train(corrupt(data, 2))
+    assert [r.getMessage() for r in caplog.records] == [
+        "ampguard: nonfinite='skip' skipped a step of AdamW#0 (non-finite loss); 1 skipped so far, 1 in a row"]
     identical(skipped, train(data[:2] + data[3:]))  # parameters, BatchNorm's running statistics, AdamW, LR
     assert g.stats.nonfinite_steps_skipped == g.stats.optimizer_steps_skipped == 1
     assert g.stats.optimizer_steps_applied == 5 and g.stats.scheduler_steps_held == 1

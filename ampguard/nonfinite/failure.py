@@ -43,7 +43,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
     if g.options.repro_dir is not None:
-        repro.attach(g, error)
+        repro.attach(g, error, window)
     emit(g, error)
 
 
@@ -389,7 +389,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
             f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
     error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, origin=origin)
     if g.options.repro_dir is not None:
-        repro.attach(g, error)
+        repro.attach(g, error, window)
     emit(g, error)
 
 

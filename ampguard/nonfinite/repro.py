@@ -51,11 +51,15 @@ class NotBundled(Exception):
     """Why no bundle was written; the message says it in one line."""
 
 
-def attach(g: _guard.Guard, error: NonFiniteError) -> None:
+def attach(g: _guard.Guard, error: NonFiniteError, window: list | None = None) -> None:
     """Write the bundle for ``error`` into ``g.options.repro_dir``; set ``error.repro`` and say where (or why not)."""
     global LAST
     origin, LAST = LAST, None
     try:
+        if origin is None:
+            for call in window or ():
+                if type(call) is not TapeOp:
+                    _check_bundlable(getattr(call.module, "_orig_mod", call.module))  # FSDP: says why
         path = write(g, error, origin)
         error.repro = path
         line = f"  reproducer: {path}\n    python -m ampguard repro {path}"

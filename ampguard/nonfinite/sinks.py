@@ -33,6 +33,7 @@ raised is dropped: the user's exception wins. A check belongs to its guard.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import threading
@@ -48,6 +49,7 @@ from .._patching import clip_arguments
 from . import outermost
 
 FEATURE = "nonfinite"
+log = logging.getLogger("ampguard")
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
 
 _torch: Any = None  # bound when the hooks switch on; every path below runs after that
@@ -705,6 +707,11 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
     g.stats.optimizer_steps_skipped += 1
     g.stats.nonfinite_steps_skipped += 1
     schedulers.note_nonfinite_skip(g, optimizer)
+    # every skip, not once per origin: a long run's log shows when each one happened
+    log.warning("ampguard: nonfinite='skip' skipped a step of %s (%s); %d skipped so far, %d in a row",
+                g.name_of(optimizer), "another rank's loss or gradients were non-finite" if elsewhere else
+                f"non-finite {getattr(T.last_error, 'sink', 'loss or gradients')}",
+                g.stats.nonfinite_steps_skipped, in_row[0])
     if elsewhere:
         _failure.warn_elsewhere(g, optimizer)
 
