@@ -227,3 +227,14 @@ def test_lightning_fit_skips_the_step_and_holds_the_per_step_scheduler(namespace
     assert g.stats.nonfinite_steps_skipped == 1 and g.stats.optimizer_steps_applied == BATCHES - 1
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == BATCHES - 1
     assert len(ours) == 1 and "the optimizer step this reached is skipped" in str(ours[0].message)
+
+
+def test_a_nan_found_at_guard_exit_does_not_skip_a_later_step():
+    model, opt, sched = make()
+    with warnings.catch_warnings(), ampguard.guard(nonfinite="skip"):
+        warnings.simplefilter("ignore")
+        torch.nn.functional.mse_loss(model(torch.full((4, 8), float("nan"))), torch.zeros(4, 1)).backward()
+        opt.zero_grad()  # no step: the NaN is found as the block ends
+    with ampguard.guard(nonfinite="skip") as g:
+        train(batches(1), (model, opt, sched))
+    assert g.stats.nonfinite_steps_skipped == 0 and g.stats.optimizer_steps_applied == 1

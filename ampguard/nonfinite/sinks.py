@@ -914,6 +914,7 @@ def drop(g: Any = None) -> None:
     """Forget the pending checks (of ``g``, or all) and the window: an exception is on its way."""
     T.pending = [p for p in T.pending if g is not None and p.guard is not g]
     T.clip = None
+    T.poisoned = T.elsewhere = False  # a skip decided for a step that will not come
     _clear_window()
 
 
