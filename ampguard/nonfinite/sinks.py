@@ -186,7 +186,8 @@ def _norms(tensors: list) -> list:
     """The 2-norm of each of ``tensors`` in one foreach kernel (float64 if any is float64)."""
     torch = _torch
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return list(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=wide))
+    with torch.no_grad():  # one switch, not a detach() per tensor (hundreds of them on a large model)
+        return list(torch._foreach_norm(tensors, 2, dtype=wide))
 
 
 def finite(tensor: Any) -> bool:
@@ -315,7 +316,7 @@ def enter(module: Any, frame: Any) -> int:
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = T.taping and not _torch.is_grad_enabled()
     end_tape()
-    shown = id(getattr(sys, "last_value", None))
+    shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != T.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         T.last_shown = shown
         drop(g)
