@@ -166,8 +166,7 @@ class _Thread(threading.local):
         # nonfinite='skip'
         self.poisoned = False  # a loss or gradient sink failed since the last step: skip the next one
         self.elsewhere = False  # ... on another rank only (the all-reduced flag)
-        self.agree: Any = None  # the process group whose ranks agree at the read of this step
-        self.agreeing = False  # the read in progress carries the all-reduced flag as its last value
+        self.agree: Any = None  # torch.distributed while a step's read carries the all-reduced flag (last value)
         self.hidden: list = []  # (optimizer, [(param, grad)]): a skipped step runs without its gradients
         self.snapshots: dict[int, tuple] = {}  # id(root) -> (root, buffers, copies) before this step's forward
         self.last_error: Any = None  # the latest non-finite error, for the consecutive-skip error
@@ -528,7 +527,8 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     if g is not None and not T.replaying:
         end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
-        T.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
+        if T.snapshots:
+            T.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
     if g is None or T.replaying or not getattr(instance, "_enabled", False):
         return out
@@ -655,8 +655,8 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     T.steps += 1
     T.stepped.of(optimizer)
-    T.snapshots = {}
     if g.options.nonfinite == "skip":
+        T.snapshots = {}
         _skips_in_row(g)[0] = 0
 
 
@@ -665,14 +665,9 @@ def _check_step(g: _guard.Guard, optimizer: Any) -> None:
     """The read before a step not driven by a GradScaler; in skip mode, skip the step if it failed."""
     __tracebackhide__ = True
     skip = g.options.nonfinite == "skip"
-    if skip:
-        T.agree = _agreeing_group(g)
+    T.agree = _agreeing_group(g) if skip else None
     try:
-        if T.pending or T.agree is not None:
-            end_tape()
-            _sync.read([])[1]()
-        if T.window and not T.pending:
-            _clear_window()
+        check()
     finally:
         T.agree = None
     if skip and T.poisoned and _guard.current(FEATURE) is g:
@@ -694,11 +689,9 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
         error = NonFiniteError(
             f"ampguard: nonfinite='skip' skipped {limit} optimizer steps in a row (max_consecutive_skips={limit}): "
             "every batch meets a non-finite loss or gradients, so skipping cannot save this run. The parameters "
-            "are still the last finite ones." + story,
-            kind=getattr(last, "kind", "nan"), sink=getattr(last, "sink", "loss"), op=getattr(last, "op", None),
-            module=getattr(last, "module", None), origin=getattr(last, "origin", None),
-            chain=getattr(last, "chain", None))
-        error.repro = getattr(last, "repro", None)  # the bundle the first warning of that origin wrote
+            "are still the last finite ones." + story, kind="nan", sink="loss")
+        if last is not None:
+            error.__dict__.update(last.__dict__)  # its kind, sink, op, origin and reproducer bundle
         raise error
     hidden = [(p, p.grad) for p in params_of(optimizer) if p.grad is not None]
     for p, _ in hidden:
@@ -739,7 +732,7 @@ def _snapshot_buffers(g: _guard.Guard, module: Any) -> None:
         stash = stashes.set(module, [b.detach().clone() for b in buffers])
     else:
         with torch.no_grad():
-            torch._foreach_copy_(stash, [b.detach() for b in buffers])
+            torch._foreach_copy_(stash, buffers)
     T.snapshots[id(module)] = (module, buffers, stash)
 
 
@@ -789,14 +782,11 @@ def stepped_optimizer_of(param: Any) -> Any:
 def _collect() -> list:
     """This guard's pending sinks as one tensor of statuses; another guard's are dropped, never judged here."""
     g = _guard.current(FEATURE)
-    agree, T.agree = T.agree, None
-    if g is None or not (T.pending or agree is not None):
+    if g is None or not (T.pending or T.agree is not None):
         return []
     statuses = _statuses(g)
-    if agree is None:
-        return [statuses] if statuses is not None else []
-    T.agreeing = True  # the flag is the read's last value
-    return ([statuses] if statuses is not None else []) + [_all_ranks_flag(agree, statuses)]
+    own = [statuses] if statuses is not None else []
+    return own if T.agree is None else [*own, _all_ranks_flag(T.agree, statuses)]
 
 
 def _statuses(g: _guard.Guard) -> Any:
@@ -837,8 +827,7 @@ def _consume(values: list[float]) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     layout, T.reading = T.reading, []
     elsewhere = 0.0
-    if T.agreeing:
-        T.agreeing = False
+    if T.agree is not None:
         elsewhere, values = values[-1], values[:-1]
     n = len(values) - sum(1 for _, at in layout for i in at if i < 0)  # where the taken statuses start
     g = _guard.current(FEATURE)
@@ -898,7 +887,7 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     end_tape()  # the read's own ops are not the user's loss code
-    if T.pending:
+    if T.pending or T.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if T.window and not T.pending:  # a read with nothing left to read (every output dropped) is clean
         _clear_window()
