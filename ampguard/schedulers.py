@@ -64,8 +64,7 @@ class ScalerRecord:
     # values update() computed from what was read. While both tensors are the same, unmodified, the next
     # iteration knows the scale and tracker without reading them (load_state_dict() or fill_() bump a version).
     after: tuple | None = None
-    next_scale: float = 0.0
-    next_tracker: float = 0.0
+    next: tuple[float, float] | None = None  # (scale, tracker) this update() makes, once predicted
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
 
@@ -157,7 +156,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     try:
         record = tables(g).scalers.get(instance)
         scale, tracker = instance._scale, instance._growth_tracker
-        if record is not None and record.next_scale and scale is not None and tracker is not None:
+        if record is not None and record.next is not None and scale is not None and tracker is not None:
             record.after = (scale, scale._version, tracker, tracker._version)
     except Exception as exc:
         internal_failure(FEATURE, exc)
@@ -180,9 +179,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     if ranks is None and extra is None and _known(record, scaler, pending):
         # Every optimizer's step() ran or not by the scaler's own decision, and the scale and tracker are
         # what the last update() made them: nothing of the scaler's to read (others' checks may still be).
-        values, settle = _sync.read([])
+        _, settle = _sync.read([])
         found = [0.0 if p.ran else 1.0 for p in pending]
-        values, i = [record.next_scale, record.next_tracker], 0
+        values, i = list(record.next), 0
     else:
         if ranks is None:
             own = [t for p in pending for t in p.found_inf]
@@ -360,7 +359,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     record = tables(g).scalers.of(scaler)
     tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
     new_value = _resolve(g, scaler, record, tensor_new_scale)
-    record.after, record.next_scale = None, 0.0  # set again once this update() is done, if it was predicted
+    record.after = record.next = None  # set again once this update() is done, if it was predicted
     if new_value is None and new_scale is not None and not isinstance(new_scale, torch.Tensor):
         new_value = float(new_scale)
 
@@ -391,7 +390,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     else:
         predicted, tracker = scale, tracker + 1
     g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
-    record.next_scale, record.next_tracker = _fp32(predicted), tracker
+    record.next = (_fp32(predicted), tracker)
     limit = g.options.max_consecutive_skips
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,
