@@ -33,7 +33,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     module = p.call.module if p.call is not None else None
     if not _first_time(g, (p.sink, type(module) if module is not None else None)):
         return  # warn mode replays once per sink and module
-    repro.LAST = None
+    T.repro_origin = None
     try:
         error = build(g, p, window, losses)
     except (AmpGuardError, AmpGuardWarning):
@@ -190,8 +190,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     records = session.records
     rec = records[result["origin"]]
     if g.options.repro_dir is not None and rec.event >= 0:
-        repro.LAST = repro.Origin(window, rec.event, result["origin"], "forward",
-                                  module=rec.module if rec.module is not rec.root else None, names=session.names)
+        T.repro_origin = repro.Origin(window, rec.event, result["origin"], "forward",
+                                      module=rec.module if rec.module is not rec.root else None, names=session.names)
     label, op = _label(rec)
     module = report.module_path(rec.root, rec.module)
     own, user_site, user = report.sites(rec.frames)
@@ -325,7 +325,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         found_kinds.update(found["kinds"])
     event = session.node_event.get(found["node_id"])
     if g.options.repro_dir is not None and event is not None:
-        repro.LAST = repro.Origin(window, event, None, "backward")
+        T.repro_origin = repro.Origin(window, event, None, "backward")
     function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
     if function is not None:  # a custom autograd.Function: its class, and the backward it defines

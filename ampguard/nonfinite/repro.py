@@ -26,7 +26,7 @@ from typing import Any
 from .. import _guard
 from .._errors import NonFiniteError
 from . import replay, report, sinks
-from .sinks import TapeOp
+from .sinks import T, TapeOp, log
 
 FORMAT = "ampguard-repro/1"
 
@@ -34,7 +34,8 @@ FORMAT = "ampguard-repro/1"
 @dataclasses.dataclass
 class Origin:
     """What the failure path found, for the bundle: the window, the event the op ran in, and (forward)
-    the index of its record in a replay of that window with the same naming."""
+    the index of its record in a replay of that window with the same naming. It travels on the thread
+    state (``T.repro_origin``) from the error's build to attach()."""
 
     window: list
     event: int
@@ -44,17 +45,13 @@ class Origin:
     names: bool = True
 
 
-LAST: Origin | None = None  # set by the failure path while it builds an error; taken by attach()
-
-
 class NotBundled(Exception):
     """Why no bundle was written; the message says it in one line."""
 
 
 def attach(g: _guard.Guard, error: NonFiniteError, window: list | None = None) -> None:
     """Write the bundle for ``error`` into ``g.options.repro_dir``; set ``error.repro`` and say where (or why not)."""
-    global LAST
-    origin, LAST = LAST, None
+    origin, T.repro_origin = T.repro_origin, None
     try:
         if origin is None:
             for call in window or ():
@@ -66,15 +63,9 @@ def attach(g: _guard.Guard, error: NonFiniteError, window: list | None = None) -
     except NotBundled as why:
         line = f"  no reproducer written: {why}"
     except Exception as exc:  # the error is the news; a failed bundle must not hide it
-        _log(exc)
+        log.error("ampguard: writing a reproducer failed", exc_info=exc)
         line = f"  no reproducer written: {type(exc).__name__}: {exc} (see the 'ampguard' log)"
     error.args = (f"{error.args[0]}\n{line}", *error.args[1:])
-
-
-def _log(exc: BaseException) -> None:
-    import logging
-
-    logging.getLogger("ampguard").error("ampguard: writing a reproducer failed", exc_info=exc)
 
 
 def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
@@ -189,6 +180,8 @@ def _run_one(session: replay.Session, window: list, origin: Origin) -> None:
 
 def _snapshot(module: Any, args: Any, kwargs: Any, autocast: Any, grad: bool, inference: bool,
               rng: Any = None) -> dict:
+    from torch.utils._pytree import tree_leaves
+
     torch = sinks._torch
     cpu, cuda = rng if rng is not None else sinks._rng_state()
     return {
@@ -197,34 +190,21 @@ def _snapshot(module: Any, args: Any, kwargs: Any, autocast: Any, grad: bool, in
         "rng_cpu": cpu.clone(), "rng_cuda": (cuda[0], cuda[1].clone()) if cuda is not None else None,
         "autocast": [(device, str(dtype).replace("torch.", "")) for device, dtype in (autocast or ())],
         "grad": bool(grad), "inference": bool(inference), "training": bool(getattr(module, "training", True)),
-        "devices": sorted({t.device.type for t in _tensors((args, kwargs))} or {"cpu"}),
+        "devices": sorted({t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                          or {"cpu"}),
         "torch_default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
     }
 
 
 def _detached(value: Any) -> Any:
-    torch = sinks._torch
-    if isinstance(value, torch.Tensor):
-        copy = value.detach().clone()
-        return copy.requires_grad_(True) if value.requires_grad and copy.is_floating_point() else copy
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    """A copy of every tensor in ``value``, off the run's graph (a leaf that requires grad where it did)."""
+    from torch.utils._pytree import tree_map_only
 
+    def copy(t: Any) -> Any:
+        out = t.detach().clone()
+        return out.requires_grad_(True) if t.requires_grad and out.is_floating_point() else out
 
-def _tensors(value: Any) -> list:
-    torch = sinks._torch
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    return tree_map_only(sinks._torch.Tensor, copy, value)
 
 
 def _check_bundlable(module: Any) -> None:
@@ -246,13 +226,7 @@ def _loads_weights_only(data: bytes) -> bool:
 
 
 def _rank() -> int | None:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return dist.get_rank()
-    except Exception:
-        pass
-    return None
+    return sys.modules["torch.distributed"].get_rank() if replay._distributed() else None
 
 
 def _version() -> str:
@@ -265,15 +239,15 @@ class BadBundle(Exception):
     """A bundle that cannot be replayed here; the message is the one line the command prints."""
 
 
-class _Op:
+def _op_module(func: Any, kwargs: dict) -> Any:
     """A loss-code op as a module call, so the guard records it and its replay names the op."""
+    import torch
 
-    def __init__(self, torch: Any, func: Any, kwargs: dict) -> None:
-        class OpCall(torch.nn.Module):
-            def forward(self, *args: Any) -> Any:
-                return func(*args, **kwargs)
+    class OpCall(torch.nn.Module):
+        def forward(self, *args: Any) -> Any:
+            return func(*args, **kwargs)
 
-        self.module = OpCall()
+    return OpCall()
 
 
 def _resolve_func(name: str) -> Any:
@@ -310,7 +284,7 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
             func = _resolve_func(payload["func"])
         except (ImportError, AttributeError):
             raise BadBundle(f"the op {payload['func']} does not exist in torch {torch.__version__}") from None
-        module = _Op(torch, func, payload["kwargs"]).module
+        module = _op_module(func, payload["kwargs"])
         how = "loaded with weights_only=True (an op and its tensors)"
         return meta, module, payload["args"], {}, how
     try:

@@ -170,6 +170,7 @@ class _Thread(threading.local):
         self.hidden: list = []  # (optimizer, [(param, grad)]): a skipped step runs without its gradients
         self.snapshots: dict[int, tuple] = {}  # id(root) -> (root, buffers, copies) before this step's forward
         self.last_error: Any = None  # the latest non-finite error, for the consecutive-skip error
+        self.repro_origin: Any = None  # what the failure path found, for a reproducer bundle (repro.Origin)
 
 
 T = _Thread()
