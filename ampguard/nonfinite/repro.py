@@ -81,8 +81,7 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
                                "kwargs": captured.pop("kwargs")}
         names = {"module_class": None, "module_path": None, "root_class": None}
     else:
-        root = getattr(event.module, "_orig_mod", event.module)
-        module = getattr(target, "_orig_mod", target)
+        root, module = getattr(event.module, "_orig_mod", event.module), target
         _check_bundlable(module)
         kind, payload = "module", {"module": module, "args": captured.pop("args"), "kwargs": captured.pop("kwargs")}
         names = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}",
@@ -130,23 +129,25 @@ def _capture(origin: Origin) -> dict:
     window = origin.window
     event = window[origin.event]
     session = replay.Session()
-    taken: dict = {}
+    if type(event) is TapeOp:
+        target = None
+    else:
+        root = getattr(event.module, "_orig_mod", event.module)
+        target = getattr(origin.module, "_orig_mod", origin.module) if origin.module is not None else root
     with replay.untouched(window):
-        replay.run_window(session, window[:origin.event], names=origin.names)
-        try:
-            if type(event) is TapeOp:
-                args = replay._map(session, event.args, True, "an input of the loss code")
-                kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
-                return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
-            root = getattr(event.module, "_orig_mod", event.module)
-            target = origin.module if origin.module is not None else root
-            target = getattr(target, "_orig_mod", target)
-            if target is root:  # the replay calls the root's forward itself: its inputs are the call's
+        if target is None or target is root:  # the loss code, or the root (the replay calls its forward itself)
+            replay.run_window(session, window[:origin.event], names=origin.names)
+            try:
+                if target is None:
+                    args = replay._map(session, event.args, True, "an input of the loss code")
+                    kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
+                    return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
                 args, kwargs = replay._map_call(session, event, type(root).__name__)
-                return {**_snapshot(root, args, kwargs, event.autocast, event.grad, event.inference, rng=event.rng),
-                        "target": root}
-        except replay.Freed as freed:
-            raise NotBundled(str(freed)) from None
+            except replay.Freed as freed:
+                raise NotBundled(str(freed)) from None
+            return {**_snapshot(root, args, kwargs, event.autocast, event.grad, event.inference, rng=event.rng),
+                    "target": root}
+        taken: dict = {}
 
         def pre(module: Any, args: tuple, kwargs: dict) -> None:
             taken.clear()  # the latest entry before the origin op: a module called twice is bundled at the call
@@ -154,28 +155,17 @@ def _capture(origin: Origin) -> dict:
                                    torch.is_inference_mode_enabled(), rng=sinks._rng_state()))
 
         handle = target.register_forward_pre_hook(pre, with_kwargs=True)
-        session.stop_after = origin.record
+        session.stop_after = origin.record  # the same replay as the one that found it, stopped there
         try:
-            _run_one(session, window, origin)
+            replay.run_window(session, window[:origin.event + 1], names=origin.names)
         except replay.Reached:
             pass
-        except replay.Freed as freed:
-            raise NotBundled(str(freed)) from None
         finally:
             handle.remove()
     if not taken:
-        raise NotBundled("the capture replay did not reach the module call that holds the origin")
-    taken["target"] = target
-    return taken
-
-
-def _run_one(session: replay.Session, window: list, origin: Origin) -> None:
-    """Replay the origin's event alone, after the events before it (already in ``session``)."""
-    checker, named = replay._modes(session)
-    session.stop = _run_one.__code__
-    session.event = origin.event
-    replay._run_event(session, window[origin.event], origin.event, checker,
-                      named if origin.names else contextlib.nullcontext())
+        why = session.unreplayed.get(origin.event, "the capture replay did not reach the call that holds the origin")
+        raise NotBundled(why)
+    return {**taken, "target": target}
 
 
 def _snapshot(module: Any, args: Any, kwargs: Any, autocast: Any, grad: bool, inference: bool,
