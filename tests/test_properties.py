@@ -5,7 +5,7 @@ import warnings
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loops import Overflow, data, model
+from loops import Overflow, data, model, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -166,21 +166,10 @@ def test_a_clean_non_fused_step_reads_nothing_of_the_scalers():
         return original(own, device)
 
     with ampguard.guard(nonfinite="off") as g:
-        m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", growth_interval=2)
-        sched = S.LambdaLR(opt, lambda s: 1.0)
-        hook = Overflow(m[0].weight, {3})
         _sync.read = spy
         try:
-            for i in range(6):
-                hook.i = i
-                x, y = data(i)
-                scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
-                scaler.step(opt)
-                scaler.update()
-                sched.step()
-                opt.zero_grad()
+            _, _, sched, _ = scaled_loop(lambda opt: S.LambdaLR(opt, lambda s: 1.0), 6, {3},
+                                         scaler=torch.amp.GradScaler("cpu", growth_interval=2))
         finally:
             _sync.read = original
     assert reads[0] > 0  # the first update reads the scale once

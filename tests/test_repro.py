@@ -95,6 +95,19 @@ def repro(python, path, cwd, *args):
     return python(None, "-m", "ampguard", "repro", str(path), *args, cwd=cwd)
 
 
+def nan_step(code, monkeypatch, bad_block, **options):
+    """One training step of the test model, NaN in blocks[bad_block].mlp, in this process: the error."""
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import Model
+
+    torch.manual_seed(0)
+    model = Model(bad_block=bad_block)
+    with ampguard.guard(repro_dir=str(code / "b"), **options), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randint(0, 5000, (2, 8))).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return info.value
+
+
 def test_a_bundle_from_one_process_replays_in_another_naming_the_op_and_the_line(python, code):
     proc = python(TRAIN, "2", env={"AMPGUARD_REPRO_DIR": str(code / "bundles")}, cwd=code)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,17 +127,10 @@ def test_a_bundle_from_one_process_replays_in_another_naming_the_op_and_the_line
 
 
 def test_the_error_carries_the_bundle_and_says_where(code, monkeypatch):
-    monkeypatch.syspath_prepend(str(code))
-    from nanmodels import Model
-
-    torch.manual_seed(0)
-    model = Model(bad_block=0)
-    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
-        model(torch.randint(0, 5000, (2, 8))).sum().backward()
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-    assert info.value.repro is not None and os.path.exists(info.value.repro)
-    assert f"reproducer: {info.value.repro}\n    python -m ampguard repro {info.value.repro}" in str(info.value)
-    meta = torch.load(info.value.repro, weights_only=True)  # the outer layer needs no code to read
+    error = nan_step(code, monkeypatch, 0)
+    assert error.repro is not None and os.path.exists(error.repro)
+    assert f"reproducer: {error.repro}\n    python -m ampguard repro {error.repro}" in str(error)
+    meta = torch.load(error.repro, weights_only=True)  # the outer layer needs no code to read
     assert meta["module_path"] == "blocks.0.mlp" and meta["kind"] == "module" and meta["rank"] is None
     assert meta["versions"]["torch"] == str(torch.__version__) and meta["options"]["repro_dir"]
 
@@ -160,23 +166,16 @@ def test_a_loss_code_op_is_bundled_as_the_op_and_loads_weights_only(python, tmp_
 
 
 def test_a_value_that_does_not_reproduce_exits_0_and_says_so(python, code, monkeypatch):
-    monkeypatch.syspath_prepend(str(code))
-    from nanmodels import Model
-
-    torch.manual_seed(0)
-    model = Model(bad_block=1)
-    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
-        model(torch.randint(0, 5000, (2, 8))).sum().backward()
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    error = nan_step(code, monkeypatch, 1)
     # rewrite the bundle as a transient fault would leave it: the same call, now finite
-    meta = torch.load(info.value.repro, weights_only=True)
+    meta = torch.load(error.repro, weights_only=True)
     body = torch.load(__import__("io").BytesIO(meta["payload"]), weights_only=False)
     body["module"].bad = False
     buffer = __import__("io").BytesIO()
     torch.save(body, buffer)
     meta["payload"] = buffer.getvalue()
-    torch.save(meta, info.value.repro)
-    out = repro(python, info.value.repro, code)
+    torch.save(meta, error.repro)
+    out = repro(python, error.repro, code)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "did not reproduce" in out.stdout and "transient fault" in out.stdout
 
@@ -204,16 +203,9 @@ def test_broken_bundles_get_one_line_not_a_traceback(python, code, tmp_path):
 
 
 def test_a_bundle_over_the_size_cap_is_not_written_and_the_message_says_why(code, monkeypatch):
-    monkeypatch.syspath_prepend(str(code))
-    from nanmodels import Model
-
-    torch.manual_seed(0)
-    model = Model(bad_block=2)
-    with ampguard.guard(repro_dir=str(code / "b"), repro_max_mb=0.01), pytest.raises(ampguard.NonFiniteError) as info:
-        model(torch.randint(0, 5000, (2, 8))).sum().backward()
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-    assert info.value.repro is None and not (code / "b").exists()
-    assert "no reproducer written: the bundle would be 0.1 MB, over repro_max_mb=0.01" in str(info.value)
+    error = nan_step(code, monkeypatch, 2, repro_max_mb=0.01)
+    assert error.repro is None and not (code / "b").exists()
+    assert "no reproducer written: the bundle would be 0.1 MB, over repro_max_mb=0.01" in str(error)
 
 
 def test_skip_mode_writes_one_bundle_per_origin(code, monkeypatch):

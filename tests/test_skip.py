@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow
+from loops import scaled_loop
 from test_distributed import run_ranks
 from test_replay import SqrtAtZero, line_of
 
@@ -122,21 +122,10 @@ def test_an_applied_step_resets_the_count_of_skips_in_a_row():
 
 def test_under_a_grad_scaler_skip_mode_changes_nothing_gradscaler_does():
     def run(**options):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-        scaler = torch.amp.GradScaler("cpu")
-        hook = Overflow(model.weight, {1, 3})
         with ampguard.guard(**options) as g:
-            for i in range(5):
-                hook.i = i
-                scaler.scale(model(torch.ones(2, 4) * i).sum()).backward()
-                scaler.step(opt)
-                scaler.update()
-                sched.step()
-                opt.zero_grad()
-        return model.weight.detach().clone(), sched.get_last_lr(), scaler.get_scale(), g.stats
+            _, model, sched, scaler = scaled_loop(lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: 1.0 / (s + 1)), 5, {1, 3})
+        return model[0].weight.detach().clone(), sched.get_last_lr(), scaler.get_scale(), g.stats
 
     w, lr, scale, stats = run(nonfinite="skip")
     w_ref, lr_ref, scale_ref, stats_ref = run()
