@@ -55,6 +55,36 @@ def user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
     return tuple(out)
 
 
+def first_user(frame: Any, budget: int) -> tuple | None:
+    """The innermost user frame as (code, instruction offset), looking ``budget`` frames up: the
+    per-call path's user_frames(limit=1), one cached dict lookup a frame. See :func:`line_at`."""
+    known = _internal_code
+    while frame is not None and budget:
+        code = frame.f_code
+        internal = known.get(code)
+        if internal is None:
+            internal = is_internal(code)
+        if not internal:
+            return code, frame.f_lasti
+        frame = frame.f_back
+        budget -= 1
+    return None
+
+
+def line_at(code: Any, lasti: int) -> int:
+    """The line number ``frame.f_lineno`` gives for a frame of ``code`` stopped at ``frame.f_lasti``.
+
+    The normal path records (code, f_lasti) and a message turns it into a line here: reading
+    f_lineno scans the code's line table, some 2,000 machine instructions a read, and the tape
+    records several frames an op.
+    """
+    if lasti >= 0:
+        for start, end, line in code.co_lines():
+            if start <= lasti < end:
+                return line if line is not None else code.co_firstlineno
+    return code.co_firstlineno
+
+
 def warn_at_user(message: str, elsewhere: str | None = None) -> None:
     """Issue an AmpGuardWarning attributed to the innermost user frame (file:line the user can open),
     or to ``elsewhere`` (such as ``<environment>``) when no user code is on the stack."""

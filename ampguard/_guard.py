@@ -132,10 +132,11 @@ class Guard:
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
         """The state one feature keeps for this Guard (its weak maps), created on first use."""
-        state = self._state.get(feature)
-        if state is None:
+        try:
+            return self._state[feature]
+        except KeyError:
             state = self._state[feature] = factory()
-        return state
+            return state
 
     def name_of(self, obj: Any) -> str:
         """A stable, readable name for an object in messages: ``AdamW#0``."""

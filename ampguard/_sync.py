@@ -7,6 +7,7 @@ every participant's waiting tensors ride on that same transfer.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,10 +30,10 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     hands each participant its values. ``settle`` may raise an intended error (NonFiniteError),
     so call it once the caller's own bookkeeping is done.
     """
-    import torch
-
     parts = list(own)
-    n_own = sum(t.numel() for t in parts)
+    n_own = 0
+    for t in parts:
+        n_own += t.numel()
     shares = []
     offset = n_own
     for feature, collect, consume in _participants:
@@ -42,7 +43,9 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
             internal_failure(feature, exc)
             continue
         if tensors:
-            n = sum(t.numel() for t in tensors)
+            n = 0
+            for t in tensors:
+                n += t.numel()
             shares.append((feature, consume, offset, n))
             offset += n
             parts.extend(tensors)
@@ -53,8 +56,10 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     # cat promotes: float32 with the scaler's int32 growth tracker reads as float32, and a float64 part
     # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
     flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
-    flat = [t if t.dim() == 1 else t.reshape(-1) for t in flat]  # found_inf, the scale, statuses: already 1-D
-    values = torch.cat(flat).tolist()
+    if len(flat) == 1:  # (usually the one status tensor of a step: no cat)
+        values = flat[0].reshape(-1).tolist() if flat[0].dim() != 0 else [flat[0].item()]
+    else:
+        values = sys.modules["torch"].cat([t if t.dim() == 1 else t.reshape(-1) for t in flat]).tolist()
 
     def settle() -> None:
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's

@@ -93,8 +93,10 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         if record.token is not token:
             record.token, record.unscaled = token, []
         device = getattr(instance, "_device", "cuda")
-        latest, _AUTOCAST.latest = _AUTOCAST.latest, {}  # each scale() judges the regions since the last one
-        if latest.get(device) == (g, _bf16()):
+        latest = _AUTOCAST.latest
+        if latest:
+            _AUTOCAST.latest = {}  # each scale() judges the regions since the last one
+        if latest and latest.get(device) == (g, _bf16()):
             _warn_once(g, "bf16", (
                 f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 has "
                 "float32's exponent range, so its gradients do not underflow and loss scaling only adds a host-device "

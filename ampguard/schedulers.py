@@ -43,13 +43,15 @@ _SMALLEST_NORMAL_FP32 = 2.0**-126
 class OptimizerRecord:
     applied: int = 0
     skipped: int = 0
+    scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
 
 
 @dataclasses.dataclass
 class _PendingStep:
     optimizer: weakref.ref
     found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
-    ran: bool | None = None  # whether its step() ran, where that is the scaler's decision (non-fused): no read
+    ran: bool | None  # whether its step() ran, where that is the scaler's decision (non-fused): no read
+    record: OptimizerRecord
 
 
 @dataclasses.dataclass
@@ -77,8 +79,6 @@ class _Tables:
         self.scalers: _guard.ObjectState[ScalerRecord] = _guard.ObjectState(lambda _: ScalerRecord())
         # (applied, skipped) of the scheduler's optimizer at the scheduler's last executed step
         self.snapshots: _guard.ObjectState[list] = _guard.ObjectState(lambda _: [0, 0])
-        # optimizer -> the scaler whose step() for it is not yet read
-        self.pending_owner: _guard.ObjectState[weakref.ref] = _guard.ObjectState(weakref.ref)
 
 
 def tables(g: Guard) -> _Tables:
@@ -133,11 +133,16 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     found = list(state["found_inf_per_device"].values()) if state else []
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
-    record = tables(g).scalers.of(scaler)
+    t = tables(g)
+    record = t.scalers.of(scaler)
+    opt_record = t.optimizers.of(optimizer)
     if record.pending:
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
-    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None))
-    tables(g).pending_owner.set(optimizer, weakref.ref(scaler))
+    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None,
+                                       opt_record))
+    owner = opt_record.scaler
+    if owner is None or owner() is not scaler:
+        opt_record.scaler = weakref.ref(scaler)
 
 
 # -- GradScaler.update ---------------------------------------------------------------------
@@ -146,15 +151,15 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     g = _guard.current(FEATURE)
     if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
+    record = None
     try:
-        _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
+        record = _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
     result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     try:
-        record = tables(g).scalers.get(instance)
         scale, tracker = instance._scale, instance._growth_tracker
         if record is not None and record.next is not None and scale is not None and tracker is not None:
             record.after = (scale, scale._version, tracker, tracker._version)
@@ -181,7 +186,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         # what the last update() made them: nothing of the scaler's to read (others' checks may still be).
         _, settle = _sync.read([])
         found = [0.0 if p.ran else 1.0 for p in pending]
-        values, i = list(record.next), 0
+        values, i = record.next, 0
     else:
         if ranks is None:
             own = [t for p in pending for t in p.found_inf]
@@ -200,14 +205,11 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         else:
             found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
     stats = g.stats
-    table = optimizers(g)
-    owners = tables(g).pending_owner
     for p, found_inf in zip(pending, found, strict=True):
         optimizer = p.optimizer()
         if optimizer is None:
             continue
-        owners.pop(optimizer)
-        opt_record = table.of(optimizer)
+        opt_record = p.record
         if found_inf != 0:
             opt_record.skipped += 1
             stats.optimizer_steps_skipped += 1
@@ -231,14 +233,19 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
 def _known(record: ScalerRecord, scaler: Any, pending: list[_PendingStep]) -> bool:
     """Whether this iteration's skips, scale and tracker are known without a read: see ScalerRecord.after."""
     after = record.after
-    if after is None or any(p.ran is None for p in pending):
+    if after is None:
         return False
     scale, tracker = scaler._scale, scaler._growth_tracker
     if scale is not after[0] or scale._version != after[1] or tracker is not after[2] or tracker._version != after[3]:
         return False
     # update() sums the found_inf of every optimizer the scaler stepped or unscaled: all of them are pending
     states = scaler._per_optimizer_states
-    return len(states) == len(pending) and all(id(p.optimizer()) in states for p in pending)
+    if len(states) != len(pending):
+        return False
+    for p in pending:  # (loops, not any()/all(): this runs at every update())
+        if p.ran is None or id(p.optimizer()) not in states:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +359,9 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
         "purpose, install with distributed=False.")
 
 
-def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
+def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    import torch
-
+    torch = sys.modules["torch"]
     record = tables(g).scalers.of(scaler)
     tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
     new_value = _resolve(g, scaler, record, tensor_new_scale)
@@ -367,7 +373,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
     skipped, record.iteration_skipped = record.iteration_skipped, []
     record.iteration_scale = None
     if scale is None:  # update() without any tracked step this iteration
-        return
+        return record
     record.history.append(scale)
     record.updates += 1
     if skipped:
@@ -400,6 +406,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> None:
         raise _collapse(g, record, skipped, scale, predicted,
                         f"GradScaler skipped the optimizer step {record.consecutive_skips} times in a row "
                         f"(max_consecutive_skips={limit})")
+    return record
 
 
 def _fp32(x: float) -> float:
@@ -479,9 +486,10 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
     try:
         optimizer = getattr(instance, "optimizer", None)
-        opt_record = optimizers(g).get(optimizer) if optimizer is not None else None
+        t = tables(g)
+        opt_record = t.optimizers.get(optimizer) if optimizer is not None else None
         if opt_record is not None:
-            tables(g).snapshots.of(instance)[:] = [opt_record.applied, opt_record.skipped]
+            t.snapshots.of(instance)[:] = [opt_record.applied, opt_record.skipped]
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return result
@@ -499,15 +507,16 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
     optimizer = getattr(scheduler, "optimizer", None)
     if optimizer is None:
         return False
-    owner = tables(g).pending_owner.get(optimizer)
-    scaler = owner() if owner is not None else None
-    if scaler is not None:
-        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
-        _resolve(g, scaler, tables(g).scalers.of(scaler))
-    opt_record = optimizers(g).get(optimizer)
+    t = tables(g)
+    opt_record = t.optimizers.get(optimizer)
     if opt_record is None:
         return False  # this optimizer never went through a GradScaler
-    applied, skipped = tables(g).snapshots.get(scheduler) or (0, 0)
+    scaler = opt_record.scaler() if opt_record.scaler is not None else None
+    record = t.scalers.get(scaler) if scaler is not None else None
+    if record is not None and record.pending and any(p.optimizer() is optimizer for p in record.pending):
+        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
+        _resolve(g, scaler, record)
+    applied, skipped = t.snapshots.get(scheduler) or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied
 
 

@@ -2,6 +2,7 @@
 parameters or outputs a loss covers, no tensor kept alive, nested module calls on torch's fast path."""
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -262,3 +263,32 @@ def test_a_teacher_under_no_grad_after_the_student_keeps_the_loss_code_recorded(
         torch.nn.functional.kl_div(log_p, soft, reduction="batchmean").backward()
         nonfinite.check()
     assert info.value.op == "torch.log"
+
+
+def test_recorded_instruction_offsets_give_the_line_numbers_frames_give():
+    """The normal path records (code, f_lasti) and messages compute the line: the same line f_lineno gives,
+    for user frames mid-expression and for torch's own long functions."""
+    from ampguard._frames import line_at
+
+    seen = []
+
+    def hook(module, args, output):
+        frame = sys._getframe()
+        while frame is not None:
+            seen.append((frame.f_code, frame.f_lasti, frame.f_lineno))
+            frame = frame.f_back
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    handle = model[0].register_forward_hook(hook)
+    try:
+        out = (
+            model(
+                torch.ones(1, 2)
+            )
+        )
+    finally:
+        handle.remove()
+    assert out.shape == (1, 2)
+    assert len(seen) > 5 and any("torch" in code.co_filename for code, _, _ in seen)
+    assert [line_at(code, lasti) for code, lasti, _ in seen] == [lineno for _, _, lineno in seen]
+    assert line_at(hook.__code__, -1) == hook.__code__.co_firstlineno

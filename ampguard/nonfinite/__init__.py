@@ -39,6 +39,7 @@ def _switch_hooks() -> Any:
     from torch.optim import optimizer as optim_module
 
     sinks._torch = torch
+    sinks._Tensor = torch.Tensor
     sinks._is_compiling = torch.compiler.is_compiling
     sinks._graph_task_id = torch._C._current_graph_task_id
     sinks._any_autocast = torch._C._is_any_autocast_enabled

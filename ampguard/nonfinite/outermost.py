@@ -137,12 +137,13 @@ def _attach(module: Any) -> None:
 
 def _detach(module: Any) -> None:
     pre, post = H.ids
-    for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
-                 "_forward_hooks_always_called"):
-        hooks = getattr(module, name, None)
-        if hooks is not None:
-            hooks.pop(pre, None)
-            hooks.pop(post, None)
+    try:
+        module._forward_pre_hooks.pop(pre, None)
+        module._forward_hooks.pop(post, None)
+        module._forward_hooks_with_kwargs.pop(post, None)
+        module._forward_hooks_always_called.pop(post, None)
+    except AttributeError:  # a module without torch's hook dicts never had ours
+        pass
     H.attached.pop(id(module), None)
 
 

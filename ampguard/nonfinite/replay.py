@@ -168,7 +168,7 @@ def _walk(frame: Any, stop: Any) -> tuple:
     while frame is not None and len(out) < FRAMES:
         if frame.f_code is stop:
             break
-        out.append((frame.f_code, frame.f_lineno))
+        out.append((frame.f_code, frame.f_lasti))  # as the normal path records them: see _frames.line_at
         frame = frame.f_back
     return tuple(out)
 

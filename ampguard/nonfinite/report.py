@@ -14,6 +14,8 @@ import sysconfig
 import traceback
 from typing import Any
 
+from .._frames import line_at
+
 _LIMITS = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38, "torch.float32": 3.40e38, "torch.float64": 1.8e308}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PLUMBING = tuple(os.path.join("torch", p) for p in (
@@ -110,14 +112,15 @@ def _plumbing(filename: str) -> bool:
 
 
 def normalise(frames: tuple) -> list[tuple[str, int, str]]:
-    """Frames as (filename, lineno, function), innermost first, from code objects or parsed text."""
+    """Frames as (filename, lineno, function), innermost first, from recorded (code, f_lasti) pairs
+    or parsed text."""
     out = []
     for f in frames:
         if isinstance(f[0], str):
             out.append(f)
         else:
-            code, lineno = f
-            out.append((code.co_filename, lineno, code.co_name))
+            code, lasti = f
+            out.append((code.co_filename, line_at(code, lasti), code.co_name))
     return [f for f in out if not _plumbing(f[0])]
 
 

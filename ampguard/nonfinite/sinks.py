@@ -43,7 +43,7 @@ from typing import Any
 from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
-from .._frames import user_frames
+from .._frames import first_user
 from .._guard import DEPTH, ObjectState
 from .._patching import clip_arguments
 from . import outermost
@@ -53,6 +53,7 @@ log = logging.getLogger("ampguard")
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
 
 _torch: Any = None  # bound when the hooks switch on; every path below runs after that
+_Tensor: Any = None
 _failure: Any = None  # the failure path (ampguard.nonfinite.failure), bound by the package: no lazy import
 _is_compiling: Any = None
 _graph_task_id: Any = None
@@ -97,7 +98,7 @@ class TapeOp:
     __slots__ = ("args", "autocast", "frames", "func", "grad", "index", "kwargs", "outputs")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, outputs: list, frames: tuple, autocast: Any,
-                 grad: bool) -> None:
+                 grad: bool, index: int) -> None:
         self.func = func
         self.args = args  # weak: see weak()
         self.kwargs = kwargs
@@ -105,7 +106,7 @@ class TapeOp:
         self.frames = frames
         self.autocast = autocast
         self.grad = grad
-        self.index = -1
+        self.index = index  # its place in the window
 
 
 class Pending:
@@ -118,7 +119,7 @@ class Pending:
                  params: list | None = None, optimizer: Any = None, key: Any = None, status: Any = None,
                  ref: Any = None) -> None:
         self.guard = guard
-        self._sink = sink  # a string, or a callable that makes it (only a failure needs the words)
+        self._sink = sink  # a string, a callable that makes it, or None for an output (only a failure needs the words)
         self.nan_only = nan_only
         self.parts = parts  # tensors (or weakrefs to them) whose 2-norms the read takes, in one kernel
         self.status = status  # a status taken when the tensor was made (outputs under no_grad)
@@ -136,7 +137,9 @@ class Pending:
 
     @property
     def sink(self) -> str:
-        if not isinstance(self._sink, str):
+        if self._sink is None:  # an output's
+            self._sink = output_words(self.call, self.key)
+        elif not isinstance(self._sink, str):
             self._sink = self._sink()
         return self._sink
 
@@ -147,7 +150,7 @@ class _Thread(threading.local):
         self.pending: list[Pending] = []
         self.reading: list[tuple[Pending, list[int]]] = []  # the pendings the read in progress took
         self.window: list = []  # Calls and TapeOps since the last read, in order
-        self.produced: dict[int, tuple] = {}  # id(tensor) -> (weakref, event index, key) for window outputs
+        self.produced: dict[int, Ref] = {}  # id(tensor) -> the Ref of a window output
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
@@ -185,7 +188,11 @@ def norm(tensor: Any) -> Any:
 def _norms(tensors: list) -> list:
     """The 2-norm of each of ``tensors`` in one foreach kernel (float64 if any is float64)."""
     torch = _torch
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    wide = torch.float32
+    for t in tensors:
+        if t.dtype == torch.float64:
+            wide = torch.float64
+            break
     with torch.no_grad():  # one switch, not a detach() per tensor (hundreds of them on a large model)
         return list(torch._foreach_norm(tensors, 2, dtype=wide))
 
@@ -224,17 +231,29 @@ def weak(value: Any, data: bool) -> Any:
     """
     kind = type(value)
     if kind is tuple or kind is list:
-        return kind([_weak_one(v, data) for v in value]) if value else value
+        if not value:
+            return value
+        produced = T.produced
+        out = []
+        for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
+            out.append(_weak_one(v, data, produced))
+        return kind(out)
     if kind is dict:
-        return {k: _weak_one(v, data) for k, v in value.items()} if value else value
-    return _weak_one(value, data)
+        produced = T.produced
+        return {k: _weak_one(v, data, produced) for k, v in value.items()} if value else value
+    return _weak_one(value, data, T.produced)
 
 
-def _weak_one(value: Any, data: bool) -> Any:
-    if isinstance(value, _torch.Tensor):
-        made = T.produced.get(id(value))
-        if made is not None and made[0]() is value:
-            return Ref(made[0], made[1], made[2])
+_ATOMS = frozenset({type(None), bool, int, float, str})
+
+
+def _weak_one(value: Any, data: bool, produced: dict) -> Any:
+    if type(value) in _ATOMS:
+        return value
+    if isinstance(value, _Tensor):
+        made = produced.get(id(value))
+        if made is not None and made.ref() is value:
+            return made  # the window made it: the same Ref for every use (Refs are never changed)
         if data and value.grad_fn is None and not value.requires_grad:
             return value
         return Ref(weakref.ref(value), -1, None)
@@ -297,16 +316,17 @@ def _rng_state() -> tuple:
 
 
 def _entry(frame: Any) -> tuple:
-    site = user_frames(frame, limit=1, budget=8)
-    return (_rng_state(), _autocast_state(), _torch.is_grad_enabled(), _torch.is_inference_mode_enabled(),
-            site[0] if site else None, T.steps)
+    torch = _torch
+    return (_rng_state(), _autocast_state() if _any_autocast() else None, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), first_user(frame, 8), T.steps)
 
 
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
 def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    if _is_compiling() or T.replaying:
+    t = T
+    if _is_compiling() or t.replaying:
         return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
     g = _guard.current(FEATURE)
     if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
@@ -314,23 +334,25 @@ def enter(module: Any, frame: Any) -> int:
         # whose module is the outermost user call
         return outermost.NOT_OUTERMOST
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
-    resume = T.taping and not _torch.is_grad_enabled()
+    resume = t.taping and not _torch.is_grad_enabled()
     end_tape()
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
-    if shown != T.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
-        T.last_shown = shown
+    if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
+        t.last_shown = shown
         drop(g)
-    if T.pending and (T.backward_since_read or any(type(c) is Call and c.module is module for c in T.window)):
+    if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
         check()  # the previous call's checks: no step consumed them
-    T.resume_tape = resume
-    T.entry = _entry(frame)
-    if g.options.nonfinite == "skip" and module.training and T.entry[2] and id(module) not in T.snapshots:
+    t.resume_tape = resume
+    t.entry = entry = _entry(frame)
+    options = g.options
+    if options.nonfinite == "skip" and module.training and entry[2] and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
-    T.eager = g.options.trace == "eager"
-    if T.eager:
-        T.eager_stack = [module]
+    if options.trace == "eager":
+        t.eager = True
+        t.eager_stack = [module]
         start_tape(g)  # every op of the forward is recorded and checked as it runs
         return outermost.OUTERMOST_KEEP_HOOKS
+    t.eager = False
     return outermost.OUTERMOST
 
 
@@ -339,39 +361,48 @@ def nested(module: Any) -> None:
         T.eager_stack.append(module)
 
 
-def _output_sink(module: Any, key: Any, several: bool) -> Any:
-    def words() -> str:
-        name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
-        return f"output of module '{name}'" + (f" (output {key!r})" if several else "")
-    return words
+def output_words(call: Call, key: Any) -> str:
+    """An output sink's name in messages (made only when a failure needs it)."""
+    module = call.module
+    name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
+    return f"output of module '{name}'" + (f" (output {key!r})" if len(call.outputs) > 1 else "")
 
 
 def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     __tracebackhide__ = True
-    T.eager_stack = []
-    entry, T.entry = T.entry, None
+    t = T
+    if t.eager_stack:
+        t.eager_stack = []
+    entry, t.entry = t.entry, None
     g = _guard.current(FEATURE)
     if g is None or entry is None:
         return
-    outputs = [(o, k) for o, k in floating(output) if watched(g, o)]
-    refs = [(weakref.ref(o), k) for o, k in outputs]
+    outputs = floating(output)
+    devices = g.options.devices
+    if devices is not None:
+        outputs = [(o, k) for o, k in outputs if o.device.type in devices]
+    refs: list = []  # (weakref, key) of each output, filled below
     training = entry[2] and not entry[3]
     # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
-    call = Call(module, weak(args, training), weak(kwargs, training), entry, refs)
-    if len(T.window) < MAX_WINDOW:
-        call.index = len(T.window)
-        T.window.append(call)
-        for ref, k in refs:
-            T.produced[id(ref())] = (ref, call.index, k)
-    several = len(outputs) > 1
-    for (o, k), (ref, _) in zip(outputs, refs, strict=True):
-        sink = _output_sink(module, k, several)
+    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry, refs)
+    window = t.window
+    index = len(window)
+    produced = t.produced if index < MAX_WINDOW else None
+    if produced is not None:
+        call.index = index
+        window.append(call)
+    pending = t.pending
+    for o, k in outputs:
+        ref = weakref.ref(o)
+        refs.append((ref, k))
+        if produced is not None:
+            produced[id(o)] = Ref(ref, index, k)
         if training and o.requires_grad:
             # A loss usually follows and covers it; if none does, it is read then, if still held.
-            T.pending.append(Pending(g, sink, True, [ref], ref, call, key=k))
+            pending.append(Pending(g, None, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
-            T.pending.append(Pending(g, sink, True, [], ref, call, key=k, status=norm(o)))
+            pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
     known = roots(g)
     key = id(module)
     if key not in known:
@@ -401,25 +432,34 @@ _Tape: Any = None
 def _make_tape() -> Any:
     torch = _torch
     tensor = torch.Tensor
+    skipped: dict[Any, bool] = {}  # func -> whether the tape ignores it (_SKIP_NAMES): once per function
 
     class Tape(torch.overrides.TorchFunctionMode):
         """Records the loss code's top-level torch calls; no on-device work, no reads."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             __tracebackhide__ = True
-            kwargs = kwargs or {}
+            if kwargs is None:
+                kwargs = {}
             if _is_compiling():  # dynamo folds this: a compiled graph sees a plain call, no graph break
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)
-            if not T.taping or T.replaying or getattr(func, "__name__", "") in _SKIP_NAMES:
+            t = T
+            if not t.taping or t.replaying:
+                return out
+            skip = skipped.get(func)
+            if skip is None:
+                skip = skipped[func] = getattr(func, "__name__", "") in _SKIP_NAMES
+            if skip:
                 return out
             try:
                 if isinstance(out, tensor):
-                    outs = [(out, 0)] if out.is_floating_point() else []
+                    if out.is_floating_point():
+                        _record(t, func, args, kwargs, [(out, 0)], sys._getframe(1))
                 else:
                     outs = floating(out)
-                if outs:
-                    _record(func, args, kwargs, outs, sys._getframe(1))
+                    if outs:
+                        _record(t, func, args, kwargs, outs, sys._getframe(1))
             except (NonFiniteError, AmpGuardWarning):
                 raise
             except Exception as exc:
@@ -429,23 +469,30 @@ def _make_tape() -> Any:
     return Tape
 
 
-def _record(func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> None:
-    if len(T.window) >= MAX_WINDOW:
-        T.taping = False
+def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> None:
+    window = t.window
+    index = len(window)
+    if index >= MAX_WINDOW:
+        t.taping = False
         return
     frames = []
-    while frame is not None and len(frames) < 6:
-        frames.append((frame.f_code, frame.f_lineno))
+    for _ in range(6):
+        frames.append((frame.f_code, frame.f_lasti))  # a line number only when a message needs one
         frame = frame.f_back
-    refs = [(weakref.ref(o), k) for o, k in outs]
-    op = TapeOp(func, weak(args, True), weak(kwargs, True), refs, tuple(frames), _autocast_state(),
-                _torch.is_grad_enabled())
-    op.index = len(T.window)
-    T.window.append(op)
-    for ref, k in refs:
-        T.produced[id(ref())] = (ref, op.index, k)
-    if T.eager:
-        _failure.check_eager(op, outs, args, kwargs)  # the arguments themselves: the record holds them weakly
+        if frame is None:
+            break
+    weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
+    weak_kwargs = weak(kwargs, True) if kwargs else kwargs
+    produced = t.produced
+    refs = []
+    for o, k in outs:
+        ref = weakref.ref(o)
+        refs.append((ref, k))
+        produced[id(o)] = Ref(ref, index, k)
+    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
+                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
+    if t.eager:
+        _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
 
 def start_tape(g: _guard.Guard) -> None:
@@ -463,46 +510,49 @@ def start_tape(g: _guard.Guard) -> None:
 
 def end_tape() -> None:
     """Take the tape off torch's mode stack if it is on top; otherwise stop recording until it can be."""
-    T.taping = False
-    mode = T.tape
+    t = T
+    mode = t.tape
     if mode is None:
-        return
+        return  # (taping is only ever on while a tape is)
+    t.taping = False
     torch = _torch
     n = torch._C._len_torch_function_stack()
     if n and torch._C._get_function_stack_at(n - 1) is mode:
         mode.__exit__(None, None, None)
-        T.tape = None
+        t.tape = None
 
 
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
     """The loss sink; it covers every output that flowed into it, so those are not read."""
-    if any(p.covered for p in T.pending):
-        T.pending = [p for p in T.pending if not p.covered]
+    t = T
+    if t.pending:  # drop the covered outputs (Pending.covered, inline: this runs at every backward)
+        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
     ref = weak(loss, False)
-    T.losses.append(ref)
+    t.losses.append(ref)
     if loss.numel() == 1:
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
     else:
         part = weakref.ref(loss)  # read if still held; its gradients are checked in any case
-    T.pending.append(Pending(g, "loss", False, [part], part, ref=ref))
+    t.pending.append(Pending(g, "loss", False, [part], part, ref=ref))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    if g is None or T.replaying:
+    t = T
+    if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     try:
         _recover()
         end_tape()  # under Tensor.backward the mode is ours to pop only at the next hook
         roots = args[0] if args else kwargs.get("tensors")
-        roots = [roots] if isinstance(roots, _torch.Tensor) else list(roots or ())
+        roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
             if r.is_floating_point() and watched(g, r) and not scaled(r):
                 add_loss(g, r)
-        T.backward_since_read = True
-        T.backwards += 1
+        t.backward_since_read = True
+        t.backwards += 1
         if g.options.trace == "eager":
             check()
     except (AmpGuardError, AmpGuardWarning) as intended:
@@ -526,18 +576,19 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is not None and not T.replaying:
+    t = T
+    if g is not None and not t.replaying:
         end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
-        if T.snapshots:
-            T.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
+        if t.snapshots:
+            t.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
-    if g is None or T.replaying or not getattr(instance, "_enabled", False):
+    if g is None or t.replaying or not getattr(instance, "_enabled", False):
         return out
     try:
         loss = args[0] if args else kwargs.get("outputs")
-        if isinstance(loss, _torch.Tensor) and isinstance(out, _torch.Tensor) and loss.is_floating_point():
+        if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point():
             add_loss(g, loss)
-            T.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
+            t.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return out
@@ -791,21 +842,23 @@ def _collect() -> list:
 
 
 def _statuses(g: _guard.Guard) -> Any:
-    pending = T.pending if all(p.guard is g for p in T.pending) else [p for p in T.pending if p.guard is g]
-    T.pending = []
+    pending, T.pending = T.pending, []
+    tensor = _Tensor
     tensors, taken, layout = [], [], []
     for p in pending:
+        if p.guard is not g:
+            continue  # another guard's: dropped, never judged here
         at = []
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
         for part in p.parts:
-            t = part if isinstance(part, _torch.Tensor) else part()
+            t = part if isinstance(part, tensor) else part()
             if t is None:
                 continue  # an output the user dropped: nothing can read it any more, nothing is lost
             if t.dim() == 0:  # a scalar (a loss, a clip's total norm) is its own status: no kernel
                 at.append(~len(taken))
-                taken.append(t.detach())
+                taken.append(t.detach() if t.requires_grad else t)
             else:
                 at.append(len(tensors))
                 tensors.append(t)
@@ -816,7 +869,7 @@ def _statuses(g: _guard.Guard) -> Any:
         return None  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
     if len(statuses) == 1:
-        return statuses[0].reshape(1)
+        return statuses[0]  # (0-dim: the read takes it as one value)
     device = statuses[0].device
     if any(s.device != device for s in statuses):
         statuses = [s.to(device) for s in statuses]
@@ -827,6 +880,11 @@ def _consume(values: list[float]) -> None:
     """Judge the sinks read, in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     layout, T.reading = T.reading, []
+    if T.agree is None:
+        total = sum(values)
+        if total - total == 0.0:  # every status finite (one pass in C): nothing failed, the usual case
+            _clear_window()
+            return
     elsewhere = 0.0
     if T.agree is not None:
         elsewhere, values = values[-1], values[:-1]
