@@ -474,7 +474,11 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
     try:
-        hold = _should_hold(g, instance, args, kwargs)
+        t = tables(g)
+        optimizer = getattr(instance, "optimizer", None)
+        opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
+        snapshot = t.snapshots.get(instance) if opt_record is not None else None
+        hold = opt_record is not None and _should_hold(g, t, instance, opt_record, snapshot, args, kwargs)
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
@@ -484,18 +488,20 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         g.stats.scheduler_steps_held += 1
         return None
     result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
-    try:
-        optimizer = getattr(instance, "optimizer", None)
-        t = tables(g)
-        opt_record = t.optimizers.get(optimizer) if optimizer is not None else None
-        if opt_record is not None:
-            t.snapshots.of(instance)[:] = [opt_record.applied, opt_record.skipped]
-    except Exception as exc:
-        internal_failure(FEATURE, exc)
+    if opt_record is not None:
+        try:
+            if snapshot is None:
+                t.snapshots.set(instance, [opt_record.applied, opt_record.skipped])
+            else:
+                snapshot[0], snapshot[1] = opt_record.applied, opt_record.skipped
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
     return result
 
 
-def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
+def _should_hold(g: Guard, t: _Tables, scheduler: Any, opt_record: OptimizerRecord, snapshot: list | None,
+                 args: tuple, kwargs: dict) -> bool:
+    """Whether GradScaler skipped every step of the scheduler's optimizer since the scheduler's last step."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     lr_scheduler = sys.modules["torch.optim.lr_scheduler"]
     if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
@@ -504,19 +510,12 @@ def _should_hold(g: Guard, scheduler: Any, args: tuple, kwargs: dict) -> bool:
         return False  # an explicit epoch says where the schedule is; honour it
     if getattr(scheduler, "_is_initial", False):
         return False  # the step a scheduler takes in its own constructor
-    optimizer = getattr(scheduler, "optimizer", None)
-    if optimizer is None:
-        return False
-    t = tables(g)
-    opt_record = t.optimizers.get(optimizer)
-    if opt_record is None:
-        return False  # this optimizer never went through a GradScaler
     scaler = opt_record.scaler() if opt_record.scaler is not None else None
     record = t.scalers.get(scaler) if scaler is not None else None
-    if record is not None and record.pending and any(p.optimizer() is optimizer for p in record.pending):
+    if record is not None and record.pending and any(p.record is opt_record for p in record.pending):
         # scheduler.step() before scaler.update(): decide now, from the same found_inf.
         _resolve(g, scaler, record)
-    applied, skipped = t.snapshots.get(scheduler) or (0, 0)
+    applied, skipped = snapshot or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied
 
 

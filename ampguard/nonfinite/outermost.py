@@ -126,15 +126,6 @@ def _resume(generation: int) -> None:
             H.dict[H.handle.id] = _global_pre
 
 
-def _attach(module: Any) -> None:
-    pre, post = H.ids
-    module._forward_pre_hooks[pre] = _instance_pre
-    module._forward_hooks[post] = _instance_post
-    module._forward_hooks_with_kwargs[post] = True
-    module._forward_hooks_always_called[post] = True
-    H.attached[id(module)] = module
-
-
 def _detach(module: Any) -> None:
     pre, post = H.ids
     try:
@@ -183,7 +174,12 @@ def _open(module: Any, frame: Any, mode: int) -> None:
     if mode == NOT_OUTERMOST:
         return
     L.root, L.frame, L.nesting, L.generation = module, frame, 0, H.generation
-    _attach(module)
+    pre, post = H.ids  # the instance hooks that end this call (_detach() takes them off)
+    module._forward_pre_hooks[pre] = _instance_pre
+    module._forward_hooks[post] = _instance_post
+    module._forward_hooks_with_kwargs[post] = True
+    module._forward_hooks_always_called[post] = True
+    H.attached[id(module)] = module
     if mode == OUTERMOST:
         L.suspended = True
         _suspend()
@@ -205,12 +201,13 @@ def _instance_pre(module: Any, args: Any) -> None:
 @fail_safe("nonfinite")
 def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     __tracebackhide__ = True
-    if module is not L.root:
+    local = L
+    if module is not local.root:
         return
-    if L.nesting:
-        L.nesting -= 1
+    if local.nesting:
+        local.nesting -= 1
         return
-    generation = L.generation
+    generation = local.generation
     forget()
     if generation == H.generation:
         H.exit(module, args, kwargs or {}, output)

@@ -236,7 +236,8 @@ def weak(value: Any, data: bool) -> Any:
         produced = T.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            out.append(_weak_one(v, data, produced))
+            made = produced.get(id(v))
+            out.append(made if made is not None and made.ref() is v else _weak_one(v, data, produced))
         return kind(out)
     if kind is dict:
         produced = T.produced
@@ -628,15 +629,20 @@ def _gradients_sink(g: _guard.Guard, optimizer: Any) -> Any:
 
 def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     devices = g.options.devices
-    params = [p for p in params_of(optimizer) if (grad := p.grad) is not None and grad.is_floating_point()
-              and (devices is None or grad.device.type in devices)]
+    params, grads = [], []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and grad.is_floating_point() and (devices is None or grad.device.type in devices):
+                params.append(p)
+                grads.append(grad)
     if not params:
         return
     clip, T.clip = T.clip, None
     if clip is not None and clip[2] == T.backwards and all(id(p) in clip[1] for p in params):
         parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
     else:
-        parts = [p.grad for p in params]
+        parts = grads
     T.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
                              optimizer=weakref.ref(optimizer)))
 
@@ -852,6 +858,11 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
+        if p.params is not None and len(p.parts) > 1:  # gradients, held by the parameters: one kernel, O(1) here
+            at.extend(range(len(tensors), len(tensors) + len(p.parts)))
+            tensors.extend(p.parts)
+            layout.append((p, at))
+            continue
         for part in p.parts:
             t = part if isinstance(part, tensor) else part()
             if t is None:
