@@ -57,7 +57,7 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
     flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
     if len(flat) == 1:  # (usually the one status tensor of a step: no cat)
-        values = flat[0].reshape(-1).tolist() if flat[0].dim() != 0 else [flat[0].item()]
+        values = flat[0].reshape(-1).tolist()
     else:
         values = sys.modules["torch"].cat([t if t.dim() == 1 else t.reshape(-1) for t in flat]).tolist()
 

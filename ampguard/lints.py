@@ -94,14 +94,14 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
             record.token, record.unscaled = token, []
         device = getattr(instance, "_device", "cuda")
         latest = _AUTOCAST.latest
-        if latest:
-            _AUTOCAST.latest = {}  # each scale() judges the regions since the last one
-        if latest and latest.get(device) == (g, _bf16()):
-            _warn_once(g, "bf16", (
-                f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 has "
-                "float32's exponent range, so its gradients do not underflow and loss scaling only adds a host-device "
-                "sync and skipped steps. Fix: drop the GradScaler (call loss.backward() and optimizer.step()), or "
-                "GradScaler(enabled=False)."))
+        if latest:  # each scale() judges the autocast regions since the last one
+            _AUTOCAST.latest = {}
+            if latest.get(device) == (g, _bf16()):
+                _warn_once(g, "bf16", (
+                    f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 "
+                    "has float32's exponent range, so its gradients do not underflow and loss scaling only adds a "
+                    "host-device sync and skipped steps. Fix: drop the GradScaler (call loss.backward() and "
+                    "optimizer.step()), or GradScaler(enabled=False)."))
     except AmpGuardWarning:
         raise
     except Exception as exc:

@@ -236,8 +236,7 @@ def weak(value: Any, data: bool) -> Any:
         produced = T.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            made = produced.get(id(v))
-            out.append(made if made is not None and made.ref() is v else _weak_one(v, data, produced))
+            out.append(_weak_one(v, data, produced))
         return kind(out)
     if kind is dict:
         produced = T.produced
@@ -318,7 +317,7 @@ def _rng_state() -> tuple:
 
 def _entry(frame: Any) -> tuple:
     torch = _torch
-    return (_rng_state(), _autocast_state() if _any_autocast() else None, torch.is_grad_enabled(),
+    return (_rng_state(), _autocast_state(), torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(), first_user(frame, 8), T.steps)
 
 
@@ -369,6 +368,18 @@ def output_words(call: Call, key: Any) -> str:
     return f"output of module '{name}'" + (f" (output {key!r})" if len(call.outputs) > 1 else "")
 
 
+def _made(t: _Thread, outputs: list, index: int) -> list:
+    """(weakref, key) of each output; each is known from now on as made by window event ``index``
+    (unless that is -1: a full window), so that later arguments naming it become its Ref."""
+    refs = []
+    for o, k in outputs:
+        ref = weakref.ref(o)
+        refs.append((ref, k))
+        if index >= 0:
+            t.produced[id(o)] = Ref(ref, index, k)
+    return refs
+
+
 def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     __tracebackhide__ = True
     t = T
@@ -382,22 +393,17 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     devices = g.options.devices
     if devices is not None:
         outputs = [(o, k) for o, k in outputs if o.device.type in devices]
-    refs: list = []  # (weakref, key) of each output, filled below
     training = entry[2] and not entry[3]
-    # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
-    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry, refs)
     window = t.window
-    index = len(window)
-    produced = t.produced if index < MAX_WINDOW else None
-    if produced is not None:
+    index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
+    # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
+    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry,
+                _made(t, outputs, index))
+    if index >= 0:
         call.index = index
         window.append(call)
     pending = t.pending
-    for o, k in outputs:
-        ref = weakref.ref(o)
-        refs.append((ref, k))
-        if produced is not None:
-            produced[id(o)] = Ref(ref, index, k)
+    for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
         if training and o.requires_grad:
             # A loss usually follows and covers it; if none does, it is read then, if still held.
             pending.append(Pending(g, None, True, [ref], ref, call, key=k))
@@ -484,14 +490,9 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: list, frame:
             break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
-    produced = t.produced
-    refs = []
-    for o, k in outs:
-        ref = weakref.ref(o)
-        refs.append((ref, k))
-        produced[id(o)] = Ref(ref, index, k)
+    refs = _made(t, outs, index)
     window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
-                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
+                         _autocast_state(), _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
@@ -527,8 +528,8 @@ def end_tape() -> None:
 def add_loss(g: _guard.Guard, loss: Any) -> None:
     """The loss sink; it covers every output that flowed into it, so those are not read."""
     t = T
-    if t.pending:  # drop the covered outputs (Pending.covered, inline: this runs at every backward)
-        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
+    if t.pending:
+        t.pending = [p for p in t.pending if not p.covered]
     ref = weak(loss, False)
     t.losses.append(ref)
     if loss.numel() == 1:
@@ -858,7 +859,7 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
-        if p.params is not None and len(p.parts) > 1:  # gradients, held by the parameters: one kernel, O(1) here
+        if p.params is not None and len(p.parts) > 1:  # gradients (one part: the clip's scalar norm, read below)
             at.extend(range(len(tensors), len(tensors) + len(p.parts)))
             tensors.extend(p.parts)
             layout.append((p, at))
