@@ -119,9 +119,21 @@ def _closure_name(function: Any) -> str:
     return name
 
 
+_OWN_MODULES = frozenset(f"{namespace}.core.module" for namespace in NAMESPACES)
+
+
+def _lightnings_own(wrapped: Any) -> bool:
+    """Whether ``wrapped`` is ``LightningModule.optimizer_step`` itself: it always passes the closure, so a
+    module that does not override the hook needs no proxies (two objects and a frame walk per step)."""
+    function = getattr(wrapped, "__func__", wrapped)
+    return getattr(function, "__qualname__", None) == "LightningModule.optimizer_step" and \
+        getattr(function, "__module__", None) in _OWN_MODULES
+
+
 def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
+    if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True) \
+            or _lightnings_own(wrapped):
         return wrapped(*args, **kwargs)
     try:
         new_args, new_kwargs = list(args), dict(kwargs)

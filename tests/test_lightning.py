@@ -191,6 +191,29 @@ def test_the_override_receives_lightnings_own_closure_class(L):
     assert seen == [True] * BATCHES
 
 
+def test_a_module_that_keeps_lightnings_own_optimizer_step_gets_no_proxies(L):
+    """Lightning's own hook always passes the closure: nothing to inject, so the step sees Lightning's
+    objects themselves (the proxies cost two objects per step), and training is unchanged."""
+    Closure = importlib.import_module(f"{L.__name__}.loops.optimization.automatic").Closure
+    seen = []
+
+    class Spy(importlib.import_module(f"{L.__name__}.plugins.precision").Precision):
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            seen.append(type(closure))
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+
+    g = ampguard.install()
+    model, reference = module_class(L)(), module_class(L)()
+    _, ours = fit(L, model, plugins=[Spy()])
+    assert seen == [Closure] * BATCHES and ours == [] and g.stats.closures_injected == 0
+    seen.clear()
+    fit(L, module_class(L, correct_step)(), plugins=[Spy()])
+    assert seen and all(t is not Closure for t in seen)  # an override still gets the proxy
+    ampguard.uninstall()
+    fit(L, reference)
+    assert torch.equal(model.layer.weight, reference.layer.weight)
+
+
 def renamed_step(self, epoch, batch_idx, optimizer, closure):
     closure()
     optimizer.step()
