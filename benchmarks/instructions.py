@@ -107,9 +107,10 @@ def main() -> None:
     workloads = [w for w in args.only.split(",") if w]
     configs = [SHORT.get(c, c) for c in args.configs.split(",") if c]
     bad = [w for w in workloads if w not in WORKLOADS] + [c for c in configs if c not in CONFIGS]
-    if bad or "plain" not in configs:
-        parser.error(f"unknown {bad}; workloads are {', '.join(WORKLOADS)}, configs {', '.join(SHORT)} "
-                     "(plain included)")
+    if bad:
+        parser.error(f"unknown {', '.join(bad)}; workloads are {', '.join(WORKLOADS)}, configs {', '.join(SHORT)}")
+    if "plain" not in configs:
+        parser.error("--configs must include plain: every figure is a ratio to it")
     if args.dry_run:
         for w in workloads:
             for c in configs:

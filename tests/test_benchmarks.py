@@ -29,4 +29,6 @@ def test_the_instruction_count_benchmark_runs_its_steps_and_builds_its_valgrind_
     commands = proc.stdout.strip().splitlines()
     assert len(commands) == 2 and all(c.startswith("valgrind --tool=callgrind") and workload in c for c in commands)
     proc = python(None, script, "--only", "tiny", "--configs", "default", timeout=60)
-    assert proc.returncode == 2 and "plain included" in proc.stderr
+    assert proc.returncode == 2 and "must include plain" in proc.stderr
+    proc = python(None, script, "--only", "tiny", "--configs", "plain,fast", timeout=60)
+    assert proc.returncode == 2 and "unknown fast;" in proc.stderr
