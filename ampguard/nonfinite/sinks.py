@@ -897,9 +897,9 @@ def _consume(values: list[float]) -> None:
         if total - total == 0.0:  # every status finite (one pass in C): nothing failed, the usual case
             _clear_window()
             return
-    elsewhere = 0.0
-    if T.agree is not None:
-        elsewhere, values = values[-1], values[:-1]
+        elsewhere = 0.0
+    else:
+        elsewhere, values = values[-1], values[:-1]  # the all-reduced flag of the other ranks
     n = len(values) - sum(1 for _, at in layout for i in at if i < 0)  # where the taken statuses start
     g = _guard.current(FEATURE)
     skip = g is not None and g.options.nonfinite == "skip"
