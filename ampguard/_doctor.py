@@ -176,7 +176,7 @@ class _Doctor:
                              if c is not base and target.name in vars(c)]
             else:
                 overrides = []
-            self.say(f"  {label}: {target.why}")
+            self.say(f"  {label}: {target.why}" + (" (its overrides only)" if target.overrides_only else ""))
             if overrides:
                 self.say(f"      overridden by: {', '.join(sorted(overrides))}")
         for switch in REGISTRY._switches:

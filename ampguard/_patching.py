@@ -47,6 +47,8 @@ class Target:
     why: str
     # accept(cls, original) -> None to wrap, or the reason to leave this class's method untouched
     accept: Callable[[type, Any], str | None] | None = None
+    # Leave the base class's own method as it is and wrap only the overrides: the base's never needs the wrapper
+    overrides_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +206,8 @@ class Registry:
         if not any(t is target for t, _ in self._bases):
             self._bases.append((target, base))
         for cls in _walk(base):
-            self._wrap(cls, target)
+            if cls is not base or not target.overrides_only:
+                self._wrap(cls, target)
 
     def _wrap(self, cls: type, target: Target) -> None:
         # Keyed by target too: two features may wrap the same method (GradScaler.scale); the

@@ -1,7 +1,8 @@
 """Lightning: inject the closure an ``optimizer_step`` override forgot, and ``AmpGuardCallback``.
 
-Patch target: ``LightningModule.optimizer_step`` and every override, in ``lightning.pytorch``
-and ``pytorch_lightning``, applied when the program imports either. The override receives
+Patch target: every override of ``LightningModule.optimizer_step``, in ``lightning.pytorch`` and
+``pytorch_lightning``, applied when the program imports either. Lightning's own hook always passes
+the closure, so it is left as it is. The override receives
 
 - its closure argument: Lightning's ``Closure`` behind a transparent proxy (``isinstance``
   holds), run at most once by the override's own calls (calls the optimizer makes inside
@@ -119,21 +120,9 @@ def _closure_name(function: Any) -> str:
     return name
 
 
-_OWN_MODULES = frozenset(f"{namespace}.core.module" for namespace in NAMESPACES)
-
-
-def _lightnings_own(wrapped: Any) -> bool:
-    """Whether ``wrapped`` is ``LightningModule.optimizer_step`` itself: it always passes the closure, so a
-    module that does not override the hook needs no proxies (two objects and a frame walk per step)."""
-    function = getattr(wrapped, "__func__", wrapped)
-    return getattr(function, "__qualname__", None) == "LightningModule.optimizer_step" and \
-        getattr(function, "__module__", None) in _OWN_MODULES
-
-
 def _optimizer_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True) \
-            or _lightnings_own(wrapped):
+    if g is None or DEPTH.counts.get("optimizer_step") or not getattr(instance, "automatic_optimization", True):
         return wrapped(*args, **kwargs)
     try:
         new_args, new_kwargs = list(args), dict(kwargs)
@@ -207,8 +196,10 @@ def _accept(cls: type, function: Any) -> str | None:
 
 
 for _namespace in NAMESPACES:
+    # LightningModule's own optimizer_step always passes the closure: only overrides get the proxies
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "optimizer_step", _optimizer_step,
-                        "give an override that forgot the closure a closure-injecting optimizer", _accept))
+                        "give an override that forgot the closure a closure-injecting optimizer", _accept,
+                        overrides_only=True))
 
 
 # -- AmpGuardCallback ------------------------------------------------------------------
