@@ -14,7 +14,11 @@ from typing import Any
 from ._errors import AmpGuardWarning
 
 _ROOTS: tuple[str, ...] = ()
-_internal_code: dict[Any, bool] = {}
+# id(code) -> (whether it is internal, the code object). By id, not by the code object: a code
+# object's hash is computed afresh at every lookup from its name, bytecode and constants (nested
+# functions' code objects included), some thousands of machine instructions for torch's
+# Module._call_impl. The entry holds the code object, so its id is never reused while cached.
+_internal_code: dict[int, tuple[bool, Any]] = {}
 
 
 def _internal_roots() -> tuple[str, ...]:
@@ -34,12 +38,13 @@ def _internal_roots() -> tuple[str, ...]:
 
 
 def is_internal(code: Any) -> bool:
-    internal = _internal_code.get(code)
-    if internal is None:
-        filename = code.co_filename
-        internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots()) or \
-            os.path.basename(filename) == "_ampguard_startup.py"  # the start-up hook, beside site-packages' root
-        _internal_code[code] = internal
+    known = _internal_code.get(id(code))
+    if known is not None:
+        return known[0]
+    filename = code.co_filename
+    internal = filename.startswith("<") or os.path.abspath(filename).startswith(_internal_roots()) or \
+        os.path.basename(filename) == "_ampguard_startup.py"  # the start-up hook, beside site-packages' root
+    _internal_code[id(code)] = (internal, code)
     return internal
 
 
@@ -61,10 +66,8 @@ def first_user(frame: Any, budget: int) -> tuple | None:
     known = _internal_code
     while frame is not None and budget:
         code = frame.f_code
-        internal = known.get(code)
-        if internal is None:
-            internal = is_internal(code)
-        if not internal:
+        entry = known.get(id(code))
+        if not (entry[0] if entry is not None else is_internal(code)):
             return code, frame.f_lasti
         frame = frame.f_back
         budget -= 1

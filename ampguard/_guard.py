@@ -71,10 +71,10 @@ class ObjectState(Generic[V]):
         return None
 
     def of(self, obj: Any) -> V:
-        value = self.get(obj)
-        if value is None:
-            value = self.set(obj, self._factory(obj))
-        return value
+        entry = self._data.get(id(obj))  # (get(), spelled out: this runs at every step)
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        return self.set(obj, self._factory(obj))
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)
@@ -108,30 +108,31 @@ class Guard:
 
     def __init__(self, options: _options.Options) -> None:
         self._disabled: set[str] = set()  # features switched off after an internal failure
-        self.options = options
+        self.options = options  # (see __setattr__)
         self.stats = Stats()
         self._state: dict[str, Any] = {}
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
         self.reproducers: list[str] = []  # the reproducer bundles written under this guard (repro_dir)
 
-    @property
-    def options(self) -> _options.Options:
-        return self._options
+    options: _options.Options  # read at every step: a plain attribute (a property is a call), kept in step here
 
-    @options.setter
-    def options(self, options: _options.Options) -> None:
-        self._options = options
-        self._refresh()
-        if REGISTRY.installed:
-            _update_switches()  # global hooks follow the enabled features
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "options":
+            self._refresh()
+            if REGISTRY.installed:
+                _update_switches()  # global hooks follow the enabled features
 
     def _refresh(self) -> None:
         # The per-op check in current() is one set lookup.
-        self._on = frozenset(f for f in _FEATURES if getattr(self._options, f) not in (False, "off")) - self._disabled
+        self._on = frozenset(f for f in _FEATURES if getattr(self.options, f) not in (False, "off")) - self._disabled
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
-        """The state one feature keeps for this Guard (its weak maps), created on first use."""
+        """The state one feature keeps for this Guard (its weak maps), created on first use.
+
+        A feature's per-step accessor may read ``_state.get(feature)`` itself first: one call fewer.
+        """
         try:
             return self._state[feature]
         except KeyError:

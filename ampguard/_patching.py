@@ -269,8 +269,7 @@ def clip_arguments(args: tuple, kwargs: dict) -> tuple[list, dict, list]:
     """For wrappers of ``clip_grad_norm_``/``clip_grad_value_``: (args, kwargs, the parameters as a list),
     with that list in the arguments' place. A generator can be read once, and both the wrapper and the
     clip need it; the list clips exactly the same parameters."""
-    import torch
-
+    torch = sys.modules["torch"]  # (a clip of torch's is running: imported; no import statement at every step)
     args, kwargs = list(args), dict(kwargs)
     where, key = (args, 0) if args else (kwargs, "parameters")
     params = where[key]

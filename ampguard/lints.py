@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
 import threading
 import weakref
 from typing import Any
@@ -61,7 +62,7 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    return g.feature_state(FEATURE, _State)
+    return g._state.get(FEATURE) or g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):
@@ -167,9 +168,8 @@ def _autocast_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     g = _guard.current(FEATURE)
     if g is not None and getattr(instance, "_enabled", False):
         try:
-            import torch
-
-            if torch.is_grad_enabled():  # a training forward; evaluation under no_grad says nothing about the loss
+            # (torch is imported: this is its autocast; sys.modules, not an import statement, at every step)
+            if sys.modules["torch"].is_grad_enabled():  # a training forward; evaluation under no_grad says nothing
                 _AUTOCAST.latest[getattr(instance, "device", "cuda")] = (g, getattr(instance, "fast_dtype", None))
         except Exception as exc:
             internal_failure(FEATURE, exc)

@@ -236,8 +236,12 @@ def weak(value: Any, data: bool) -> Any:
         produced = T.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            out.append(_weak_one(v, data, produced))
-        return kind(out)
+            if type(v) in _ATOMS:
+                out.append(v)  # (the exponent of a pow, a dim: no call for them)
+                continue
+            made = produced.get(id(v))  # (the usual argument of the loss code: what the window made)
+            out.append(made if made is not None and made.ref() is v else _weak_one(v, data, produced))
+        return tuple(out) if kind is tuple else out
     if kind is dict:
         produced = T.produced
         return {k: _weak_one(v, data, produced) for k, v in value.items()} if value else value
@@ -315,12 +319,6 @@ def _rng_state() -> tuple:
     return torch.default_generator.get_state(), cuda
 
 
-def _entry(frame: Any) -> tuple:
-    torch = _torch
-    return (_rng_state(), _autocast_state(), torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(), first_user(frame, 8), T.steps)
-
-
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
 def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
@@ -329,13 +327,17 @@ def enter(module: Any, frame: Any) -> int:
     if _is_compiling() or t.replaying:
         return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
     g = _guard.current(FEATURE)
-    if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
+    if g is None or _graph_task_id() != -1 or _in_worker() or \
+            (_kinds[type(module)] if type(module) in _kinds else kind(module)) == "wrapper":
         # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
         # whose module is the outermost user call
         return outermost.NOT_OUTERMOST
+    torch = _torch
+    grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
-    resume = t.taping and not _torch.is_grad_enabled()
-    end_tape()
+    resume = t.taping and not grad
+    if t.tape is not None:
+        end_tape()
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -343,9 +345,10 @@ def enter(module: Any, frame: Any) -> int:
     if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
         check()  # the previous call's checks: no step consumed them
     t.resume_tape = resume
-    t.entry = entry = _entry(frame)
+    t.entry = (_rng_state(), _autocast_state() if _any_autocast() else None, grad,
+               torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
     options = g.options
-    if options.nonfinite == "skip" and module.training and entry[2] and id(module) not in t.snapshots:
+    if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
     if options.trace == "eager":
         t.eager = True
@@ -372,11 +375,12 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
     """(weakref, key) of each output; each is known from now on as made by window event ``index``
     (unless that is -1: a full window), so that later arguments naming it become its Ref."""
     refs = []
+    produced = t.produced
     for o, k in outputs:
         ref = weakref.ref(o)
         refs.append((ref, k))
         if index >= 0:
-            t.produced[id(o)] = Ref(ref, index, k)
+            produced[id(o)] = Ref(ref, index, k)
     return refs
 
 
@@ -422,7 +426,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
 
 def roots(g: _guard.Guard) -> dict:
     """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
-    return g.feature_state("nonfinite_roots", dict)
+    roots = g._state.get("nonfinite_roots")
+    return roots if roots is not None else g.feature_state("nonfinite_roots", dict)  # (an empty dict is false)
 
 
 def _recover() -> None:
@@ -462,7 +467,7 @@ def _make_tape() -> Any:
             try:
                 if isinstance(out, tensor):
                     if out.is_floating_point():
-                        _record(t, func, args, kwargs, [(out, 0)], sys._getframe(1))
+                        _record(t, func, args, kwargs, ((out, 0),), sys._getframe(1))
                 else:
                     outs = floating(out)
                     if outs:
@@ -476,7 +481,7 @@ def _make_tape() -> Any:
     return Tape
 
 
-def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: list, frame: Any) -> None:
+def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: Any) -> None:
     window = t.window
     index = len(window)
     if index >= MAX_WINDOW:
@@ -490,9 +495,14 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: list, frame:
             break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
-    refs = _made(t, outs, index)
+    refs = []  # (what _made() does, spelled out: this runs for every recorded call)
+    produced = t.produced
+    for o, k in outs:
+        ref = weakref.ref(o)
+        refs.append((ref, k))
+        produced[id(o)] = Ref(ref, index, k)
     window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
-                         _autocast_state(), _torch.is_grad_enabled(), index))
+                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
@@ -655,7 +665,8 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or T.replaying:
         return None
     _recover()
-    end_tape()
+    if T.tape is not None:
+        end_tape()
     while T.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in T.hidden.pop()[1]:
             param.grad = grad
@@ -942,7 +953,8 @@ def _finite_after_all(p: Pending) -> bool:
 
 
 def _clear_window() -> None:
-    end_tape()
+    if T.tape is not None:
+        end_tape()
     T.resume_tape = False
     T.window = []
     T.produced = {}
@@ -957,7 +969,8 @@ _sync.participate(FEATURE, _collect, _consume)
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    end_tape()  # the read's own ops are not the user's loss code
+    if T.tape is not None:
+        end_tape()  # the read's own ops are not the user's loss code
     if T.pending or T.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if T.window and not T.pending:  # a read with nothing left to read (every output dropped) is clean
