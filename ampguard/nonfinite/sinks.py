@@ -438,7 +438,7 @@ def _recover() -> None:
 
 
 # -- the loss-code tape ------------------------------------------------------------------------
-_Tape: Any = None
+_tape: Any = None
 
 
 def _make_tape() -> Any:
@@ -508,15 +508,14 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
 
 
 def start_tape(g: _guard.Guard) -> None:
-    global _Tape
+    global _tape
     if T.tape is not None:
         T.taping = True
         return
-    if _Tape is None:
-        _Tape = _make_tape()
-    mode = _Tape()
-    mode.__enter__()
-    T.tape = mode
+    if _tape is None:
+        _tape = _make_tape()()  # one recorder, pushed at every step: it keeps no state of its own
+    _tape.__enter__()
+    T.tape = _tape
     T.taping = True
 
 
