@@ -57,7 +57,9 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
     # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
     flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
     if len(flat) == 1:  # (usually the one status tensor of a step: no cat)
-        values = flat[0].reshape(-1).tolist()
+        one = flat[0]
+        dim = one.dim()  # (no reshape where none is needed: a view op costs as much as a small step's Python)
+        values = one.tolist() if dim == 1 else [one.item()] if dim == 0 else one.reshape(-1).tolist()
     else:
         values = sys.modules["torch"].cat([t if t.dim() == 1 else t.reshape(-1) for t in flat]).tolist()
 
