@@ -333,8 +333,7 @@ def enter(module: Any, frame: Any) -> int:
     if _is_compiling() or t.replaying:
         return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
     g = _guard.current(FEATURE)
-    if g is None or _graph_task_id() != -1 or _in_worker() or \
-            (_kinds[type(module)] if type(module) in _kinds else kind(module)) == "wrapper":
+    if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
         # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
         # whose module is the outermost user call
         return outermost.NOT_OUTERMOST
@@ -501,12 +500,7 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
             break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
-    refs = []  # (what _made() does, spelled out: this runs for every recorded call)
-    produced = t.produced
-    for o, k in outs:
-        ref = weakref.ref(o)
-        refs.append((ref, k))
-        produced[id(o)] = Ref(ref, index, k)
+    refs = _made(t, outs, index)
     window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
                          _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
     if t.eager:
