@@ -71,10 +71,10 @@ class ObjectState(Generic[V]):
         return None
 
     def of(self, obj: Any) -> V:
-        entry = self._data.get(id(obj))  # (get(), spelled out: this runs at every step)
-        if entry is not None and entry[0]() is obj:
-            return entry[1]
-        return self.set(obj, self._factory(obj))
+        value = self.get(obj)
+        if value is None:
+            value = self.set(obj, self._factory(obj))
+        return value
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)
@@ -129,10 +129,7 @@ class Guard:
         self._on = frozenset(f for f in _FEATURES if getattr(self.options, f) not in (False, "off")) - self._disabled
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
-        """The state one feature keeps for this Guard (its weak maps), created on first use.
-
-        A feature's per-step accessor may read ``_state.get(feature)`` itself first: one call fewer.
-        """
+        """The state one feature keeps for this Guard (its weak maps), created on first use."""
         try:
             return self._state[feature]
         except KeyError:

@@ -62,7 +62,7 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    return g._state.get(FEATURE) or g.feature_state(FEATURE, _State)
+    return g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):

@@ -82,7 +82,7 @@ class _Tables:
 
 
 def tables(g: Guard) -> _Tables:
-    return g._state.get(FEATURE) or g.feature_state(FEATURE, _Tables)
+    return g.feature_state(FEATURE, _Tables)
 
 
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:

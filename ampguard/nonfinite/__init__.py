@@ -78,8 +78,7 @@ _eager_names: Any = None
 
 
 def _exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-    if _eager_names is not None:
-        _eager_names_off()
+    _eager_names_off()
     sinks.exit(module, args, kwargs, output)
 
 

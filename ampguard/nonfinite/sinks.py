@@ -242,9 +242,6 @@ def weak(value: Any, data: bool) -> Any:
         produced = T.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            if type(v) in _ATOMS:
-                out.append(v)  # (the exponent of a pow, a dim: no call for them)
-                continue
             made = produced.get(id(v))  # (the usual argument of the loss code: what the window made)
             out.append(made if made is not None and made.ref() is v else _weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
@@ -341,8 +338,7 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    if t.tape is not None:
-        end_tape()
+    end_tape()
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -431,8 +427,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
 
 def roots(g: _guard.Guard) -> dict:
     """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
-    roots = g._state.get("nonfinite_roots")
-    return roots if roots is not None else g.feature_state("nonfinite_roots", dict)  # (an empty dict is false)
+    return g.feature_state("nonfinite_roots", dict)
 
 
 def _recover() -> None:
@@ -664,8 +659,7 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or T.replaying:
         return None
     _recover()
-    if T.tape is not None:
-        end_tape()
+    end_tape()
     while T.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in T.hidden.pop()[1]:
             param.grad = grad
@@ -952,8 +946,7 @@ def _finite_after_all(p: Pending) -> bool:
 
 
 def _clear_window() -> None:
-    if T.tape is not None:
-        end_tape()
+    end_tape()
     T.resume_tape = False
     T.window = []
     T.produced = {}
@@ -968,8 +961,7 @@ _sync.participate(FEATURE, _collect, _consume)
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    if T.tape is not None:
-        end_tape()  # the read's own ops are not the user's loss code
+    end_tape()  # the read's own ops are not the user's loss code
     if T.pending or T.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if T.window and not T.pending:  # a read with nothing left to read (every output dropped) is clean
