@@ -409,3 +409,26 @@ def test_lightning_style_closure_is_checked_before_the_update():
         opt.step(closure)
     assert info.value.op == "torch.log"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_loss_code_op_is_replayed_under_the_autocast_it_ran_under():
+    """The record keeps each loss-code op's autocast state: replayed in float32, this matmul is finite."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prototypes = torch.full((8, 4), 1e5)  # float32 here; 1e5 is past float16's 65504
+
+    def loss_code(out):
+        scores = out @ prototypes  # AUTOCAST LINE: autocast casts the prototypes to float16: inf
+        return scores.float().softmax(-1).log().mean()
+
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_code(model(torch.randn(4, 8)))
+        loss.backward()
+        opt.step()
+    err = info.value
+    assert err.sink == "loss" and err.op == "aten._to_copy", str(err)  # the cast to float16
+    assert "created by aten._to_copy inside Tensor.matmul" in str(err), str(err)
+    assert err.origin[-1].lineno == line_of(loss_code, "AUTOCAST LINE"), str(err)

@@ -64,6 +64,7 @@ _SKIP_NAMES = frozenset({
     "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "clone", "cpu", "numpy",
 })
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_autocast_devices: tuple = ()  # those this torch build knows, found once when the hooks switch on
 
 
 class Ref:
@@ -300,10 +301,16 @@ def _in_worker() -> bool:
 
 # -- capture ---------------------------------------------------------------------------------
 def _autocast_state() -> tuple | None:
+    """(device, dtype) of each autocast region on: recorded per loss-code op under AMP, so one loop of
+    C calls over the devices this build knows (a Python call per device cost twice as much)."""
     if not _any_autocast():
         return None
     torch = _torch
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if _autocast_on(d))
+    on = []
+    for d in _autocast_devices:
+        if torch.is_autocast_enabled(d):
+            on.append((d, torch.get_autocast_dtype(d)))
+    return tuple(on)
 
 
 def _autocast_on(device: str) -> bool:
@@ -311,6 +318,19 @@ def _autocast_on(device: str) -> bool:
         return _torch.is_autocast_enabled(device)
     except RuntimeError:  # a device type this build does not know
         return False
+
+
+def known_autocast_devices() -> tuple:
+    """The device types of _AUTOCAST_DEVICES that this torch build's autocast accepts."""
+    known = []
+    for d in _AUTOCAST_DEVICES:
+        try:
+            _torch.is_autocast_enabled(d)
+            _torch.get_autocast_dtype(d)
+        except RuntimeError:
+            continue
+        known.append(d)
+    return tuple(known)
 
 
 def _rng_state() -> tuple:
