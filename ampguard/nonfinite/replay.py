@@ -318,10 +318,10 @@ def _autocast(state: tuple | None) -> contextlib.ExitStack:
     torch = sinks._torch
     stack = contextlib.ExitStack()
     wanted = dict(state or ())
-    for device in sinks._AUTOCAST_DEVICES:
+    for device in sinks._autocast_devices:
         if device in wanted:
             stack.enter_context(torch.autocast(device, dtype=wanted[device]))
-        elif sinks._autocast_on(device):
+        elif torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
 

@@ -243,8 +243,7 @@ def weak(value: Any, data: bool) -> Any:
         produced = T.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            made = produced.get(id(v))  # (the usual argument of the loss code: what the window made)
-            out.append(made if made is not None and made.ref() is v else _weak_one(v, data, produced))
+            out.append(_weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
         produced = T.produced
@@ -313,15 +312,9 @@ def _autocast_state() -> tuple | None:
     return tuple(on)
 
 
-def _autocast_on(device: str) -> bool:
-    try:
-        return _torch.is_autocast_enabled(device)
-    except RuntimeError:  # a device type this build does not know
-        return False
-
-
 def known_autocast_devices() -> tuple:
-    """The device types of _AUTOCAST_DEVICES that this torch build's autocast accepts."""
+    """The device types of _AUTOCAST_DEVICES that this torch build's autocast accepts (a type it does not
+    know raises RuntimeError)."""
     known = []
     for d in _AUTOCAST_DEVICES:
         try:
@@ -366,7 +359,7 @@ def enter(module: Any, frame: Any) -> int:
     if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
         check()  # the previous call's checks: no step consumed them
     t.resume_tape = resume
-    t.entry = (_rng_state(), _autocast_state() if _any_autocast() else None, grad,
+    t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
@@ -517,7 +510,7 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
     window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
-                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
+                         _autocast_state(), _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
