@@ -70,6 +70,11 @@ class ObjectState(Generic[V]):
             return entry[1]
         return None
 
+    def by_id(self, key: int) -> Any:
+        """The live object whose ``id()`` is ``key``, if this state has one."""
+        entry = self._data.get(key)
+        return entry[0]() if entry is not None else None
+
     def of(self, obj: Any) -> V:
         value = self.get(obj)
         if value is None:

@@ -8,12 +8,12 @@ fix (option ``lint``, default on). Patch targets, each undone by the registry:
   enabled on the scaler's device since the previous ``scale()`` was bf16. The iteration is
   identified by the scaler's ``_per_optimizer_states`` object, which every ``update()``
   replaces, so no wrapper on ``update()`` is needed.
-- ``GradScaler.unscale_``: remember which optimizer this iteration unscaled (a weak reference;
-  its parameters are only looked at if a clip happens).
 - ``clip_grad_norm_`` / ``clip_grad_value_`` in ``torch.nn.utils.clip_grad`` and the
   ``torch.nn.utils`` re-export: warn when a parameter with a gradient belongs to no unscaled
-  optimizer while a scaler's iteration is open. Lightning unscales before it clips, so its
-  ``gradient_clip_val`` never warns.
+  optimizer while a scaler's iteration is open. Which optimizers are unscaled is the scaler's own
+  record (each one's ``stage`` in ``_per_optimizer_states``), so ``unscale_()`` needs no wrapper:
+  it runs inside every ``GradScaler.step()``, and a wrapper cost every step some 6,000
+  instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns.
 - ``autocast.__enter__``: remember, per thread, the dtype of the latest enabled autocast
   region entered with grad enabled, for each device type (evaluation under no_grad is ignored).
 - A global optimizer step pre-hook (on only while ``lint`` is): at an optimizer's first step,
@@ -30,7 +30,6 @@ import dataclasses
 import struct
 import sys
 import threading
-import weakref
 from typing import Any
 
 from . import _guard
@@ -51,13 +50,12 @@ def eps_rounds_to_zero(eps: Any) -> bool:
 @dataclasses.dataclass
 class _Iteration:
     token: Any = None  # the scaler's _per_optimizer_states when scale() was called
-    unscaled: list = dataclasses.field(default_factory=list)  # weakrefs to optimizers unscale_()d since
 
 
 class _State:
     def __init__(self) -> None:
         self.iterations: ObjectState[_Iteration] = ObjectState(lambda _: _Iteration())  # per GradScaler
-        self.stepped: ObjectState[bool] = ObjectState(lambda _: True)
+        self.stepped: ObjectState[bool] = ObjectState(lambda _: True)  # optimizers by id: who owns a parameter
         self.warned: set[str] = set()
 
 
@@ -90,9 +88,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         return out
     try:
         record = _state(g).iterations.of(instance)
-        token = instance._per_optimizer_states
-        if record.token is not token:
-            record.token, record.unscaled = token, []
+        record.token = instance._per_optimizer_states
         device = getattr(instance, "_device", "cuda")
         latest = _AUTOCAST.latest
         if latest:  # each scale() judges the autocast regions since the last one
@@ -107,19 +103,6 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         raise
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    return out
-
-
-def _scaler_unscale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    out = wrapped(*args, **kwargs)
-    g = _guard.current(FEATURE)
-    if g is not None:
-        try:
-            record = _state(g).iterations.get(instance)
-            if record is not None and record.token is instance._per_optimizer_states:
-                record.unscaled.append(weakref.ref(args[0] if args else kwargs["optimizer"]))
-        except Exception as exc:
-            internal_failure(FEATURE, exc)
     return out
 
 
@@ -151,8 +134,9 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
     for scaler, record in state.iterations.items():
         if record.token is not scaler._per_optimizer_states or not scaler._enabled:
             continue  # no loss scaled by this scaler since its last update()
-        unscaled = {id(p) for r in record.unscaled if (opt := r()) is not None
-                    for group in opt.param_groups for p in group["params"]}
+        unscaled = _unscaled_params(state, scaler)
+        if unscaled is None:
+            continue  # unscaled before any step of its optimizer: which parameters are its is not known yet
         if any(p.grad is not None and id(p) not in unscaled for p in params):
             _warn_once(g, "clip", (
                 f"ampguard: torch.nn.utils.{name} was called on gradients that a GradScaler has scaled and not yet "
@@ -160,6 +144,26 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
                 f"scale ({scaler.get_scale():g}) and clipping is far too strong, or never happens. Fix: call "
                 "scaler.unscale_(optimizer) right before clipping."))
             return
+
+
+def _unscaled_params(state: _State, scaler: Any) -> set[int] | None:
+    """The ids of the parameters of the optimizers this scaler unscaled (or stepped) in this iteration.
+
+    GradScaler keys its per-optimizer state by ``id(optimizer)``; the optimizer itself is found among
+    those that took a step under this guard (the first-step hook records each). None when one of them
+    has not stepped yet (its first iteration): no verdict then, and a clip that is wrong every
+    iteration warns at the next one.
+    """
+    ready = sys.modules["torch.amp.grad_scaler"].OptState.READY
+    ids: set[int] = set()
+    for key, per_optimizer in scaler._per_optimizer_states.items():
+        if per_optimizer["stage"] is ready:
+            continue  # not unscaled yet in this iteration
+        optimizer = state.stepped.by_id(key)
+        if optimizer is None:
+            return None
+        ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
+    return ids
 
 
 # -- autocast.__enter__ -------------------------------------------------------------------
@@ -213,7 +217,6 @@ def _switch_first_step() -> Any:
 
 for _owner, _name, _wrapper, _why in (
     ("torch.amp.grad_scaler:GradScaler", "scale", _scaler_scale, "open the scaler's iteration; bf16 autocast lint"),
-    ("torch.amp.grad_scaler:GradScaler", "unscale_", _scaler_unscale, "note which optimizer was unscaled"),
     ("torch.nn.utils.clip_grad", "clip_grad_norm_", _clip, "warn when clipping still-scaled gradients"),
     ("torch.nn.utils.clip_grad", "clip_grad_value_", _clip, "warn when clipping still-scaled gradients"),
     ("torch.nn.utils", "clip_grad_norm_", _clip, "the same, for the torch.nn.utils re-export"),

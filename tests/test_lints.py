@@ -74,6 +74,43 @@ def test_clipping_without_a_scaler_or_after_update_is_silent():
     assert lint_warnings(lambda *a: scaled_iteration(*a, unscale=True), unscaled_after_update) == []
 
 
+def test_two_optimizers_on_one_scaler_clipping_the_one_not_unscaled_warns_at_its_line():
+    """A GAN-style pair: the discriminator is unscaled, the generator's gradients are clipped still scaled.
+    The scaler's own per-optimizer stage says which is which; the first iteration gives no verdict
+    (no optimizer has stepped yet to say whose parameters are whose), the second warns, once."""
+    ampguard.install()
+    gen, disc = model(1), model(2)
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def iteration(clip_gen: bool):
+        x = data(0)[0]
+        scaler.scale(gen(x).pow(2).mean() + disc(x).pow(2).mean()).backward()
+        scaler.unscale_(opt_d)
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), 1.0)  # unscaled: never warns
+        if clip_gen:
+            torch.nn.utils.clip_grad_norm_(gen.parameters(), 1.0)  # GEN CLIP
+        scaler.step(opt_g)
+        scaler.step(opt_d)
+        scaler.update()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iteration(False)
+        iteration(False)
+        assert ours(caught) == []  # the discriminator's clip, after its unscale_, is silent
+        for _ in range(3):
+            iteration(True)
+    found = ours(caught)
+    assert len(found) == 1 and "clip_grad_norm_ was called on gradients that a GradScaler has scaled" in \
+        str(found[0].message)
+    assert found[0].filename == __file__
+    with open(__file__) as f:
+        assert "# GEN CLIP" in f.read().splitlines()[found[0].lineno - 1]
+
+
 def test_lightning_gradient_clip_val_under_16_mixed_does_not_warn():
     L = pytest.importorskip("lightning.pytorch")
     from test_lightning import fit, module_class
