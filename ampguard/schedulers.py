@@ -386,7 +386,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     # What update() computes (torch's _amp_update_scale_ kernel, in float32)
     tracker = record.iteration_tracker
     if new_value is not None:
-        predicted = new_value  # written with fill_(); the tracker is left as it is
+        predicted = _fp32(new_value)  # written with fill_() into the float32 scale; the tracker is left as it is
     elif skipped:
         predicted, tracker = _fp32(scale * scaler._backoff_factor), 0.0
     elif tracker + 1 == scaler._growth_interval:
@@ -395,8 +395,9 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
         tracker = 0.0
     else:
         predicted, tracker = scale, tracker + 1
+    # (each branch's value is a float32 one: the scale read from its float32 tensor, or rounded above)
     g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
-    record.next = (_fp32(predicted), tracker)
+    record.next = (predicted, tracker)
     limit = g.options.max_consecutive_skips
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,

@@ -336,6 +336,21 @@ def test_new_scale_zero_is_refused():
     assert scaler.get_scale() == 65536.0
 
 
+@pytest.mark.parametrize(("new_scale", "becomes"), [(1e39, "inf"), (1e-46, "0")])
+def test_a_new_scale_float32_cannot_hold_is_judged_as_the_scaler_will_hold_it(new_scale, becomes):
+    """fill_() writes a float new_scale into the float32 scale: 1e39 becomes inf and 1e-46 becomes 0 there,
+    though both are finite and positive as Python floats."""
+    ampguard.install()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(m(data(0)[0]).sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(ampguard.LossScaleCollapseError, match=f"would become {becomes} \\(set through update"):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 65536.0
+
+
 def test_default_skip_limit_survives_a_normal_calibration():
     g = ampguard.install()
     m = model()
