@@ -1,6 +1,7 @@
 """Every benchmark runs (briefly): a benchmark that rots unnoticed quotes figures nobody can reproduce."""
 
 import pathlib
+import sys
 
 import pytest
 
@@ -32,3 +33,47 @@ def test_the_instruction_count_benchmark_runs_its_steps_and_builds_its_valgrind_
     assert proc.returncode == 2 and "must include plain" in proc.stderr
     proc = python(None, script, "--only", "tiny", "--configs", "plain,fast", timeout=60)
     assert proc.returncode == 2 and "unknown fast;" in proc.stderr
+
+
+def test_the_time_attribution_benchmark_runs_its_steps_and_attributes_each_stack(python):
+    """The child runs as py-spy would sample it; stacks are attributed as the README's table says (py-spy
+    itself is not needed here)."""
+    script = str(BENCHMARKS / "where_time_goes.py")
+    proc = python(None, script, "--child", "tiny", "default", "0.5", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1].split()[1]) > 0
+    proc = python(None, script, "--dry-run", "--workload", "lightning", "--config", "off", timeout=60)
+    commands = proc.stdout.strip().splitlines()
+    assert len(commands) == 2 and all(c.startswith("py-spy record") for c in commands)
+    assert commands[0].endswith("lightning plain 40.0") and commands[1].endswith("lightning off 40.0")
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import where_time_goes as w
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    loop = "tiny.<locals>.step (benchmarks/overhead.py:64)"
+    amp = "site-packages/ampguard"
+
+    def stack(*frames):
+        return [loop, *frames]
+
+    assert w.CALL_LINE  # the recorder's call of the recorded function was found in sinks.py
+    tape = f"_make_tape.<locals>.Tape.__torch_function__ ({amp}/nonfinite/sinks.py:{{}})"
+    assert w.component(stack(tape.format(w.CALL_LINE))) == w.RECORDED_OPS
+    assert w.component(stack(tape.format(1), f"_record ({amp}/nonfinite/sinks.py:2)")) == w.LOSS_RECORD
+    assert w.component(stack("_call_impl (torch/nn/modules/module.py:1)",
+                             f"fail_safe.<locals>.decorate.<locals>.safe ({amp}/_fallback.py:51)",
+                             f"_global_pre ({amp}/nonfinite/outermost.py:3)",
+                             f"_rng_state ({amp}/nonfinite/sinks.py:335)")) == w.MODULE_CALLS
+    read = [f"_scaler_update ({amp}/schedulers.py:1)", f"_resolve ({amp}/schedulers.py:2)",
+            f"read ({amp}/_sync.py:3)"]
+    assert w.component(stack(*read)) == w.SCHEDULERS
+    assert w.component(stack(*read, f"_statuses ({amp}/nonfinite/sinks.py:4)")) == w.SINKS
+    assert w.component(stack(f"_scaler_scale ({amp}/lints.py:1)", f"current ({amp}/_guard.py:2)")) == w.LINTS
+    assert w.component(stack(f"_backward_owner ({amp}/_guard.py:1)")) == w.OTHER
+    assert w.component(stack(f"_backward_owner ({amp}/_guard.py:1)", "backward (torch/autograd/__init__.py:9)")) \
+        is None  # torch's frame innermost: torch's time, even below an ampguard wrapper
+    total, ours, others = w.attribute({";".join(stack(tape.format(1))): 3, "elsewhere (x.py:1)": 5,
+                                       ";".join(stack("backward (torch/autograd/__init__.py:9)")): 2}, "step (")
+    assert total == 5 and ours == {w.LOSS_RECORD: 3} and others == {("backward", "torch/autograd/__init__.py"): 2}
