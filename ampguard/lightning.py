@@ -199,7 +199,7 @@ for _namespace in NAMESPACES:
     # LightningModule's own optimizer_step always passes the closure: only overrides get the proxies
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "optimizer_step", _optimizer_step,
                         "give an override that forgot the closure a closure-injecting optimizer", _accept,
-                        overrides_only=True))
+                        overrides_only=True, feature=FEATURE))
 
 
 # -- AmpGuardCallback ------------------------------------------------------------------

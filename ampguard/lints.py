@@ -223,5 +223,5 @@ for _owner, _name, _wrapper, _why in (
     ("torch.nn.utils", "clip_grad_value_", _clip, "the same, for the torch.nn.utils re-export"),
     ("torch.amp.autocast_mode:autocast", "__enter__", _autocast_enter, "remember the autocast dtype per device"),
 ):
-    REGISTRY.add(Target("torch", _owner, _name, _wrapper, _why))
+    REGISTRY.add(Target("torch", _owner, _name, _wrapper, _why, feature=FEATURE))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_first_step, "first optimizer step: the fp16 eps lint"))

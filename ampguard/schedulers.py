@@ -566,6 +566,6 @@ for _name, _wrapper, _why in (
     ("step", _scaler_step, "remember which optimizer was stepped and the scaler's found_inf for it"),
     ("update", _scaler_update, "read found_inf before update() consumes it; count skips; detect collapse"),
 ):
-    REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why))
+    REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why, feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.optim.lr_scheduler:LRScheduler", "step", _scheduler_step,
-                    "hold the step when GradScaler skipped every optimizer step since the last one"))
+                    "hold the step when GradScaler skipped every optimizer step since the last one", feature=FEATURE))

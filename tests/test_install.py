@@ -3,6 +3,7 @@
 import itertools
 import json
 import sys
+import warnings
 
 import pytest
 
@@ -98,6 +99,48 @@ def test_uninstall_restores_the_exact_objects():
         assert vars(cls)[name] is original
     assert "__init_subclass__" not in vars(LRScheduler)
     assert "__init_subclass__" not in vars(GradScaler)
+
+
+def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_restores_it_all():
+    """install(nonfinite="off", lint=False) leaves GradScaler.scale and autograd.backward's sink unwrapped (a
+    wrapped call costs wrapt's binding even when the wrapper returns at once); a guard() with the features on
+    wraps them for its block, and they keep working; uninstall() restores every original."""
+    import torch
+    from loops import data, model
+    from torch.amp.autocast_mode import autocast
+    from torch.amp.grad_scaler import GradScaler
+
+    originals = {(GradScaler, "scale"): vars(GradScaler)["scale"], (autocast, "__enter__"): vars(autocast)["__enter__"],
+                 (GradScaler, "update"): vars(GradScaler)["update"]}
+    backward = torch.autograd.backward
+    ampguard.install(nonfinite="off", lint=False)
+    assert vars(GradScaler)["scale"] is originals[(GradScaler, "scale")]
+    assert vars(autocast)["__enter__"] is originals[(autocast, "__enter__")]
+    assert vars(GradScaler)["update"].__wrapped__ is originals[(GradScaler, "update")]  # schedulers: on
+    assert torch.autograd.backward.__wrapped__ is backward  # the guard's own wrapper (threads), not the sink's
+
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampguard.guard(nonfinite="raise"):
+        assert vars(GradScaler)["scale"].__wrapped__ is originals[(GradScaler, "scale")]
+        head = m(data(0)[0])
+        with pytest.raises(ampguard.NonFiniteError, match="loss"):
+            scaler.scale(torch.log(head.sum() * 0 - 1)).backward()  # NaN loss: the sink's wrapper is live
+            scaler.step(opt)
+            scaler.update()  # the read under a GradScaler
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampguard.guard(lint=True):
+            scaler = torch.amp.GradScaler("cpu")  # (the one above stopped inside update(): mid-iteration)
+            scaler.scale(m(data(0)[0]).pow(2).mean()).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # still scaled: the lint, now wrapped, warns
+    assert [w for w in caught if "was called on gradients that a GradScaler has scaled" in str(w.message)]
+    assert vars(GradScaler)["scale"] is not originals[(GradScaler, "scale")]  # applied, kept while installed
+    ampguard.uninstall()
+    for (cls, name), original in originals.items():
+        assert vars(cls)[name] is original
+    assert torch.autograd.backward is backward
 
 
 def test_classes_defined_while_installed_are_restored_too():

@@ -109,12 +109,12 @@ def _eager_names_off() -> None:
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
                            "module and optimizer hooks: record outermost calls, check the sinks at the step"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
-                    "the loss sink; end the loss-code record; drop checks if backward raises"))
+                    "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,
-                    "the loss sink under AMP"))
+                    "the loss sink under AMP", feature=FEATURE))
 for _module in ("torch.nn.utils.clip_grad", "torch.nn.utils"):
     REGISTRY.add(Target("torch", _module, "clip_grad_norm_", sinks._clip_grad_norm,
-                        "the gradient sink rides the total norm the loop computes anyway"))
+                        "the gradient sink rides the total norm the loop computes anyway", feature=FEATURE))
 for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
-                        sinks._training_step, "end the loss-code record where training_step returns"))
+                        sinks._training_step, "end the loss-code record where training_step returns", feature=FEATURE))
