@@ -324,13 +324,19 @@ def test_loss_scale_never_reaches_zero_even_without_a_skip_limit():
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
-def test_new_scale_zero_is_refused():
+def stepped_scaler() -> torch.amp.GradScaler:
+    """Under install(): a GradScaler that has scaled, backpropagated and stepped once, its update() due."""
     ampguard.install()
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(m(data(0)[0]).sum()).backward()
     scaler.step(opt)
+    return scaler
+
+
+def test_new_scale_zero_is_refused():
+    scaler = stepped_scaler()
     with pytest.raises(ampguard.LossScaleCollapseError, match="update\\(new_scale"):
         scaler.update(new_scale=0.0)
     assert scaler.get_scale() == 65536.0
@@ -340,12 +346,7 @@ def test_new_scale_zero_is_refused():
 def test_a_new_scale_float32_cannot_hold_is_judged_as_the_scaler_will_hold_it(new_scale, becomes):
     """fill_() writes a float new_scale into the float32 scale: 1e39 becomes inf and 1e-46 becomes 0 there,
     though both are finite and positive as Python floats."""
-    ampguard.install()
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(m(data(0)[0]).sum()).backward()
-    scaler.step(opt)
+    scaler = stepped_scaler()
     with pytest.raises(ampguard.LossScaleCollapseError, match=f"would become {becomes} \\(set through update"):
         scaler.update(new_scale=new_scale)
     assert scaler.get_scale() == 65536.0
