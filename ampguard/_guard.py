@@ -76,10 +76,18 @@ class ObjectState(Generic[V]):
         return entry[0]() if entry is not None else None
 
     def of(self, obj: Any) -> V:
-        value = self.get(obj)
-        if value is None:
-            value = self.set(obj, self._factory(obj))
-        return value
+        entry = self._data.get(id(obj))  # (get(), inline: this runs several times a step)
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        return self.set(obj, self._factory(obj))
+
+    def entry(self, obj: Any) -> tuple[weakref.ref, V]:
+        """(a weak reference to ``obj``, its value), the value made if there is none: one lookup for both."""
+        entry = self._data.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            self.set(obj, self._factory(obj))
+            entry = self._data[id(obj)]
+        return entry
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)

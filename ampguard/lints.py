@@ -87,12 +87,11 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        record = _state(g).iterations.of(instance)
-        record.token = instance._per_optimizer_states
-        device = getattr(instance, "_device", "cuda")
+        (g._state.get(FEATURE) or _state(g)).iterations.of(instance).token = instance._per_optimizer_states
         latest = _AUTOCAST.latest
         if latest:  # each scale() judges the autocast regions since the last one
             _AUTOCAST.latest = {}
+            device = getattr(instance, "_device", "cuda")
             if latest.get(device) == (g, _bf16()):
                 _warn_once(g, "bf16", (
                     f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 "
@@ -186,7 +185,7 @@ def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None:
         return
-    stepped = _state(g).stepped
+    stepped = (g._state.get(FEATURE) or _state(g)).stepped
     if stepped.get(optimizer):
         return
     stepped.of(optimizer)

@@ -44,6 +44,7 @@ class OptimizerRecord:
     applied: int = 0
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
+    scaler_record: ScalerRecord | None = None  # that scaler's record (valid while the scaler lives)
 
 
 @dataclasses.dataclass
@@ -92,19 +93,25 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+    counts = DEPTH.counts
+    if g is None or counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
-    _RAN.optimizer = None
-    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
+    ran = _RAN
+    ran.optimizer = None
+    counts["scaler.step"] = 1  # DEPTH.outermost(), inline: this runs at every step
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scaler.step"] = 0
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
-        _remember_step(g, instance, optimizer, _RAN.optimizer is optimizer)
+        _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
     except Exception as exc:
         internal_failure(FEATURE, exc)
     finally:
-        _RAN.optimizer = None
+        ran.optimizer = None
     return result
 
 
@@ -120,29 +127,33 @@ def _decides_by_running(optimizer: Any) -> bool:
     post-step hooks see it run: then whether it ran is the scaler's decision, and nothing needs a read.
     Not for fused/capturable optimizers (they get found_inf and skip inside the kernel) or a step()
     replaced on the instance (other than by an LR scheduler's call tracker) or outside torch's hooked step."""
-    optim = sys.modules["torch.optim"]
-    if not isinstance(optimizer, optim.Optimizer) or getattr(optimizer, "_step_supports_amp_scaling", False) or \
-            not getattr(type(optimizer).step, "hooked", False):
-        return False
     own = vars(optimizer).get("step")
-    return own is None or getattr(own, "_wrapped_by_lr_sched", False)
+    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+        return False
+    cls = type(optimizer)
+    if not getattr(cls.step, "hooked", False) or getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return isinstance(optimizer, sys.modules["torch.optim"].Optimizer)
 
 
 def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
-    found = list(state["found_inf_per_device"].values()) if state else []
-    if not found:
+    if not state:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
-    t = tables(g)
+    found = list(state["found_inf_per_device"].values())
+    if not found:
+        return
+    t = g._state.get(FEATURE) or tables(g)
     record = t.scalers.of(scaler)
-    opt_record = t.optimizers.of(optimizer)
-    if record.pending:
-        record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
-    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None,
-                                       opt_record))
+    opt_ref, opt_record = t.optimizers.entry(optimizer)
+    pending = record.pending
+    if pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
+        record.pending = pending = [p for p in pending if p.optimizer() is not optimizer]
+    pending.append(_PendingStep(opt_ref, found, ran if _decides_by_running(optimizer) else None, opt_record))
     owner = opt_record.scaler
     if owner is None or owner() is not scaler:
         opt_record.scaler = weakref.ref(scaler)
+        opt_record.scaler_record = record
 
 
 # -- GradScaler.update ---------------------------------------------------------------------
@@ -158,7 +169,12 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
+    counts = DEPTH.counts
+    counts["scaler.update"] = 1  # DEPTH.outermost(), inline: this runs at every step
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scaler.update"] = 0
     try:
         scale, tracker = instance._scale, instance._growth_tracker
         if record is not None and record.next is not None and scale is not None and tracker is not None:
@@ -181,11 +197,11 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         return None
     scale = scaler._scale
     ranks = _ranks(g, scaler) if pending else None
-    if ranks is None and extra is None and _known(record, scaler, pending):
+    found = _known(record, scaler, pending) if ranks is None and extra is None else None
+    if found is not None:
         # Every optimizer's step() ran or not by the scaler's own decision, and the scale and tracker are
         # what the last update() made them: nothing of the scaler's to read (others' checks may still be).
         _, settle = _sync.read([])
-        found = [0.0 if p.ran else 1.0 for p in pending]
         values, i = record.next, 0
     else:
         if ranks is None:
@@ -230,22 +246,25 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     return values[-1] if extra is not None else None
 
 
-def _known(record: ScalerRecord, scaler: Any, pending: list[_PendingStep]) -> bool:
-    """Whether this iteration's skips, scale and tracker are known without a read: see ScalerRecord.after."""
+def _known(record: ScalerRecord, scaler: Any, pending: list[_PendingStep]) -> list[float] | None:
+    """Each pending optimizer's found_inf where this iteration's skips, scale and tracker are known
+    without a read (see ScalerRecord.after), else None."""
     after = record.after
     if after is None:
-        return False
+        return None
     scale, tracker = scaler._scale, scaler._growth_tracker
     if scale is not after[0] or scale._version != after[1] or tracker is not after[2] or tracker._version != after[3]:
-        return False
+        return None
     # update() sums the found_inf of every optimizer the scaler stepped or unscaled: all of them are pending
     states = scaler._per_optimizer_states
     if len(states) != len(pending):
-        return False
-    for p in pending:  # (loops, not any()/all(): this runs at every update())
+        return None
+    found = []
+    for p in pending:  # (a loop, not any()/all(): this runs at every update())
         if p.ran is None or id(p.optimizer()) not in states:
-            return False
-    return True
+            return None
+        found.append(0.0 if p.ran else 1.0)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,27 +380,32 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    torch = sys.modules["torch"]
-    record = tables(g).scalers.of(scaler)
-    tensor_new_scale = new_scale if isinstance(new_scale, torch.Tensor) else None
-    new_value = _resolve(g, scaler, record, tensor_new_scale)
-    record.after = record.next = None  # set again once this update() is done, if it was predicted
-    if new_value is None and new_scale is not None and not isinstance(new_scale, torch.Tensor):
+    record = (g._state.get(FEATURE) or tables(g)).scalers.of(scaler)
+    if new_scale is None:
+        _resolve(g, scaler, record)
+        new_value = None
+    elif isinstance(new_scale, sys.modules["torch"].Tensor):
+        new_value = _resolve(g, scaler, record, new_scale)
+    else:
+        _resolve(g, scaler, record)
         new_value = float(new_scale)
+    record.after = record.next = None  # set again once this update() is done, if it was predicted
 
     scale = record.iteration_scale
-    skipped, record.iteration_skipped = record.iteration_skipped, []
-    record.iteration_scale = None
     if scale is None:  # update() without any tracked step this iteration
         return record
+    skipped = record.iteration_skipped
+    record.iteration_scale = None
     record.history.append(scale)
     record.updates += 1
     if skipped:
+        record.iteration_skipped = []
         record.consecutive_skips += 1
         record.skipped_in_run.update(dict.fromkeys(skipped))
     else:
         record.consecutive_skips = 0
-        record.skipped_in_run.clear()
+        if record.skipped_in_run:
+            record.skipped_in_run.clear()
 
     # What update() computes (torch's _amp_update_scale_ kernel, in float32)
     tracker = record.iteration_tracker
@@ -396,13 +420,15 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     else:
         predicted, tracker = scale, tracker + 1
     # (each branch's value is a float32 one: the scale read from its float32 tensor, or rounded above)
-    g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
+    stats = g.stats
+    if predicted != stats.loss_scale:  # (min and max move only when the scale does)
+        stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
     record.next = (predicted, tracker)
-    limit = g.options.max_consecutive_skips
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,
                         f"the loss scale would become {predicted:g}" +
                         (" (set through update(new_scale=...))" if new_value is not None else ""))
+    limit = g.options.max_consecutive_skips
     if limit is not None and record.consecutive_skips >= limit:
         raise _collapse(g, record, skipped, scale, predicted,
                         f"GradScaler skipped the optimizer step {record.consecutive_skips} times in a row "
@@ -470,16 +496,17 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scheduler.step"):
+    counts = DEPTH.counts
+    if g is None or counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
     try:
-        t = tables(g)
+        t = g._state.get(FEATURE) or tables(g)
         optimizer = getattr(instance, "optimizer", None)
         opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
         snapshot = t.snapshots.get(instance) if opt_record is not None else None
-        hold = opt_record is not None and _should_hold(g, t, instance, opt_record, snapshot, args, kwargs)
+        hold = opt_record is not None and _should_hold(g, instance, opt_record, snapshot, args, kwargs)
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
@@ -488,7 +515,11 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
+    counts["scheduler.step"] = 1  # DEPTH.outermost(), inline: this runs at every step
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scheduler.step"] = 0
     if opt_record is not None:
         try:
             if snapshot is None:
@@ -500,24 +531,30 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     return result
 
 
-def _should_hold(g: Guard, t: _Tables, scheduler: Any, opt_record: OptimizerRecord, snapshot: list | None,
-                 args: tuple, kwargs: dict) -> bool:
+def _should_hold(g: Guard, scheduler: Any, opt_record: OptimizerRecord, snapshot: list | None, args: tuple,
+                 kwargs: dict) -> bool:
     """Whether GradScaler skipped every step of the scheduler's optimizer since the scheduler's last step."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    lr_scheduler = sys.modules["torch.optim.lr_scheduler"]
-    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
-        return False  # driven by a metric, not by the count of steps
-    if kwargs.get("epoch") is not None or (args and args[0] is not None):
-        return False  # an explicit epoch says where the schedule is; honour it
-    if getattr(scheduler, "_is_initial", False):
-        return False  # the step a scheduler takes in its own constructor
-    scaler = opt_record.scaler() if opt_record.scaler is not None else None
-    record = t.scalers.get(scaler) if scaler is not None else None
-    if record is not None and record.pending and any(p.record is opt_record for p in record.pending):
-        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
-        _resolve(g, scaler, record)
+    record = opt_record.scaler_record
+    if record is not None and record.pending:
+        scaler = opt_record.scaler() if opt_record.scaler is not None else None
+        if scaler is not None and any(p.record is opt_record for p in record.pending):
+            if _follows_no_count(scheduler, args, kwargs):
+                return False
+            # scheduler.step() before scaler.update(): decide now, from the same found_inf.
+            _resolve(g, scaler, record)
     applied, skipped = snapshot or (0, 0)
-    return opt_record.skipped > skipped and opt_record.applied == applied
+    return opt_record.skipped > skipped and opt_record.applied == applied and \
+        not _follows_no_count(scheduler, args, kwargs)
+
+
+def _follows_no_count(scheduler: Any, args: tuple, kwargs: dict) -> bool:
+    """A scheduler step that the count of optimizer steps does not drive: never held."""
+    if isinstance(scheduler, sys.modules["torch.optim.lr_scheduler"].ReduceLROnPlateau):
+        return True  # driven by a metric, not by the count of steps
+    if kwargs.get("epoch") is not None or (args and args[0] is not None):
+        return True  # an explicit epoch says where the schedule is; honour it
+    return bool(getattr(scheduler, "_is_initial", False))  # the step a scheduler takes in its own constructor
 
 
 class _Skipping(threading.local):
