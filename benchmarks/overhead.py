@@ -365,14 +365,21 @@ def memory(quick):
     print(f"  guard {guarded:8.0f} MiB {guarded / plain:7.3f}x")
 
 
+WORKLOADS = ("tiny", "lightning", "mlp", "conv", "encoder", "gpt2", "scaling", "memory", "gpt2-small")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="tiny,lightning,mlp,conv,encoder,gpt2")
+    parser.add_argument("--only", default="tiny,lightning,mlp,conv,encoder,gpt2",
+                        help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
     args = parser.parse_args()
-    only = set(args.only.split(","))
+    only = {w.strip() for w in args.only.split(",") if w.strip()}
+    if not only or only - set(WORKLOADS):
+        parser.error(f"--only: unknown {', '.join(sorted(only - set(WORKLOADS))) or '(none given)'}; "
+                     f"the workloads are {', '.join(WORKLOADS)}")
     reps = 1 if args.quick else args.reps
     q = args.quick
     if DEVICE == "cpu":

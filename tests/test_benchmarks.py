@@ -19,6 +19,14 @@ def test_benchmark_runs_and_prints_its_table(python, script, args, last_row):
     assert proc.stdout.strip().splitlines()[-1].strip().startswith(last_row)
 
 
+def test_the_overhead_benchmark_refuses_a_workload_it_does_not_have(python):
+    """A misspelt --only printed a header and no table, as if the run had measured something."""
+    proc = python(None, str(BENCHMARKS / "overhead.py"), "--only", "tiny,wide", timeout=60)
+    assert proc.returncode == 2
+    assert "--only: unknown wide; the workloads are tiny, lightning, mlp" in proc.stderr
+    assert proc.stdout == ""
+
+
 @pytest.mark.parametrize("workload", ["tiny", "lightning"])
 def test_the_instruction_count_benchmark_runs_its_steps_and_builds_its_valgrind_commands(python, workload):
     """The measured steps run as callgrind would run them (valgrind itself is not needed here)."""
