@@ -127,13 +127,13 @@ def _decides_by_running(optimizer: Any) -> bool:
     post-step hooks see it run: then whether it ran is the scaler's decision, and nothing needs a read.
     Not for fused/capturable optimizers (they get found_inf and skip inside the kernel) or a step()
     replaced on the instance (other than by an LR scheduler's call tracker) or outside torch's hooked step."""
+    # (isinstance first: an optimizer-like object may have no __dict__ for vars())
+    if not isinstance(optimizer, sys.modules["torch.optim"].Optimizer) or \
+            getattr(optimizer, "_step_supports_amp_scaling", False) or \
+            not getattr(type(optimizer).step, "hooked", False):
+        return False
     own = vars(optimizer).get("step")
-    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
-        return False
-    cls = type(optimizer)
-    if not getattr(cls.step, "hooked", False) or getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    return isinstance(optimizer, sys.modules["torch.optim"].Optimizer)
+    return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
 def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:

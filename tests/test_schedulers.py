@@ -246,6 +246,44 @@ def test_schedulers_without_a_scaler_are_untouched():
     assert g.stats.optimizer_steps_applied == 3 and g.stats.scheduler_steps_held == 0  # counted, never held
 
 
+class _SlotsOptimizer:
+    """An optimizer-like object without a __dict__ (GradScaler needs only param_groups, state and step)."""
+
+    __slots__ = ("__weakref__", "inner")
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self, *args, **kwargs):
+        return self.inner.step(*args, **kwargs)
+
+
+def test_an_optimizer_like_object_without_a_dict_is_tracked():
+    g = ampguard.install()
+    m = model()
+    opt = _SlotsOptimizer(torch.optim.SGD(m.parameters(), lr=1.0))
+    scaler = torch.amp.GradScaler("cpu")
+    hook = Overflow(m[0].weight, {1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an internal failure would warn and switch the feature off
+        for i in range(3):
+            hook.i = i
+            scaler.scale(m(data(i)[0]).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.inner.zero_grad()
+    assert g.stats.optimizer_steps_skipped == 1 and g.stats.optimizer_steps_applied == 2
+    assert "schedulers" in g._on
+
+
 class _CountSyncs(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
