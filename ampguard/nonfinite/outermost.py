@@ -52,7 +52,10 @@ class _Hooks:
 H = _Hooks()
 
 
-class _Local(threading.local):
+class _Open:
+    """This thread's open outermost call. A plain object held by a threading.local (``_here``): each hook
+    takes it once, since every attribute read on a threading.local costs about five plain ones."""
+
     def __init__(self) -> None:
         self.root: Any = None  # the open outermost call's module in this thread
         self.frame: Any = None  # the frame of torch's call of it, to tell a nested call from a stale one
@@ -61,7 +64,12 @@ class _Local(threading.local):
         self.generation = -1
 
 
-L = _Local()
+class _Here(threading.local):
+    def __init__(self) -> None:
+        self.state = _Open()
+
+
+_here = _Here()
 
 
 def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict, Any], None],
@@ -100,14 +108,15 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
 
 def forget() -> None:
     """This thread's open call is closed without being seen closing (switch-off, interruption)."""
-    module = L.root
-    if module is not None and L.generation == H.generation:
+    local = _here.state
+    module = local.root
+    if module is not None and local.generation == H.generation:
         _detach(module)
-    L.root = L.frame = None
-    L.nesting = 0
-    if L.suspended:
-        L.suspended = False
-        _resume(L.generation)
+    local.root = local.frame = None
+    local.nesting = 0
+    if local.suspended:
+        local.suspended = False
+        _resume(local.generation)
 
 
 def _suspend() -> None:
@@ -151,7 +160,8 @@ def running(frame: Any) -> bool:
 def recover() -> bool:
     """Close this thread's open call if it was interrupted (a KeyboardInterrupt skipped torch's
     always-call hooks); True if one was. Cheap when none is open."""
-    if L.root is None or running(L.frame):
+    local = _here.state
+    if local.root is None or running(local.frame):
         return False
     forget()
     return True
@@ -161,8 +171,9 @@ def recover() -> bool:
 @fail_safe("nonfinite")
 def _global_pre(module: Any, args: Any) -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    if L.root is not None:
-        if running(L.frame):
+    local = _here.state
+    if local.root is not None:
+        if running(local.frame):
             H.nested(module)  # hooks are on inside an open call: trace='eager', or another thread resumed them
             return
         forget()  # interrupted: this is a new call
@@ -171,9 +182,10 @@ def _global_pre(module: Any, args: Any) -> None:
 
 
 def _open(module: Any, frame: Any, mode: int) -> None:
+    local = _here.state
     if mode == NOT_OUTERMOST:
         return
-    L.root, L.frame, L.nesting, L.generation = module, frame, 0, H.generation
+    local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
     pre, post = H.ids  # the instance hooks that end this call (_detach() takes them off)
     module._forward_pre_hooks[pre] = _instance_pre
     module._forward_hooks[post] = _instance_post
@@ -181,17 +193,18 @@ def _open(module: Any, frame: Any, mode: int) -> None:
     module._forward_hooks_always_called[post] = True
     H.attached[id(module)] = module
     if mode == OUTERMOST:
-        L.suspended = True
+        local.suspended = True
         _suspend()
 
 
 @fail_safe("nonfinite")
 def _instance_pre(module: Any, args: Any) -> None:
     __tracebackhide__ = True
-    if module is not L.root:
+    local = _here.state
+    if module is not local.root:
         return  # another thread calls the same module
-    if running(L.frame):
-        L.nesting += 1  # the module calling itself
+    if running(local.frame):
+        local.nesting += 1  # the module calling itself
         return
     forget()  # the open call was interrupted; this call is a new one
     frame = sys._getframe(2)
@@ -201,7 +214,7 @@ def _instance_pre(module: Any, args: Any) -> None:
 @fail_safe("nonfinite")
 def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     __tracebackhide__ = True
-    local = L
+    local = _here.state
     if module is not local.root:
         return
     if local.nesting:

@@ -145,7 +145,11 @@ class Pending:
         return self._sink
 
 
-class _Thread(threading.local):
+class _Thread:
+    """One thread's state. A plain object, held by a threading.local (``_here``): an attribute of a
+    threading.local costs about five times a plain object's, and the normal path reads some hundred a
+    step, so each hook takes its thread's state once (``t = _here.state``) and works on that."""
+
     def __init__(self) -> None:
         self.entry: tuple | None = None  # what the open outermost call captured on entry
         self.pending: list[Pending] = []
@@ -177,7 +181,28 @@ class _Thread(threading.local):
         self.repro_origin: Any = None  # what the failure path found, for a reproducer bundle (repro.Origin)
 
 
-T = _Thread()
+class _Here(threading.local):
+    def __init__(self) -> None:
+        self.state = _Thread()
+
+
+_here = _Here()
+
+
+class _ThisThread:
+    """``T.x`` reads and writes this thread's state: for the failure path, the replay and tests. The
+    normal path takes the state itself once instead (``_here.state``)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_here.state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(_here.state, name, value)
+
+
+T: Any = _ThisThread()
 
 
 def norm(tensor: Any) -> Any:
@@ -236,19 +261,20 @@ def weak(value: Any, data: bool) -> Any:
     target, a mask) is kept as it is, until the read: a replay needs it, its size is the batch's,
     and autograd usually holds it through backward anyway. Every other tensor is held weakly.
     """
+    t = _here.state
     kind = type(value)
     if kind is tuple or kind is list:
         if not value:
             return value
-        produced = T.produced
+        produced = t.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
             out.append(_weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
-        produced = T.produced
+        produced = t.produced
         return {k: _weak_one(v, data, produced) for k, v in value.items()} if value else value
-    return _weak_one(value, data, T.produced)
+    return _weak_one(value, data, t.produced)
 
 
 _ATOMS = frozenset({type(None), bool, int, float, str})
@@ -339,7 +365,7 @@ def _rng_state() -> tuple:
 def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    t = T
+    t = _here.state
     if _is_compiling() or t.replaying:
         return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
     g = _guard.current(FEATURE)
@@ -374,8 +400,9 @@ def enter(module: Any, frame: Any) -> int:
 
 
 def nested(module: Any) -> None:
-    if T.eager:
-        T.eager_stack.append(module)
+    t = _here.state
+    if t.eager:
+        t.eager_stack.append(module)
 
 
 def output_words(call: Call, key: Any) -> str:
@@ -400,7 +427,7 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
 
 def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     __tracebackhide__ = True
-    t = T
+    t = _here.state
     if t.eager_stack:
         t.eager_stack = []
     entry, t.entry = t.entry, None
@@ -432,9 +459,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
-    if g.options.trace != "off" and (training or T.resume_tape):
+    if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
-    elif T.eager:
+    elif t.eager:
         end_tape()
 
 
@@ -445,7 +472,7 @@ def roots(g: _guard.Guard) -> dict:
 
 def _recover() -> None:
     """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
-    if outermost.L.root is not None and outermost.recover():
+    if outermost.recover():
         forget_calls()
         drop()
 
@@ -469,7 +496,7 @@ def _make_tape() -> Any:
             if _is_compiling():  # dynamo folds this: a compiled graph sees a plain call, no graph break
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)
-            t = T
+            t = _here.state
             if not t.taping or t.replaying:
                 return out
             skip = skipped.get(func)
@@ -517,19 +544,20 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
 
 def start_tape(g: _guard.Guard) -> None:
     global _tape
-    if T.tape is not None:
-        T.taping = True
+    t = _here.state
+    if t.tape is not None:
+        t.taping = True
         return
     if _tape is None:
         _tape = _make_tape()()  # one recorder, pushed at every step: it keeps no state of its own
     _tape.__enter__()
-    T.tape = _tape
-    T.taping = True
+    t.tape = _tape
+    t.taping = True
 
 
 def end_tape() -> None:
     """Take the tape off torch's mode stack if it is on top; otherwise stop recording until it can be."""
-    t = T
+    t = _here.state
     mode = t.tape
     if mode is None:
         return  # (taping is only ever on while a tape is)
@@ -544,7 +572,7 @@ def end_tape() -> None:
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
     """The loss sink; it covers every output that flowed into it, so those are not read."""
-    t = T
+    t = _here.state
     if t.pending:
         t.pending = [p for p in t.pending if not p.covered]
     ref = weak(loss, False)
@@ -559,7 +587,7 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    t = T
+    t = _here.state
     if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     try:
@@ -587,15 +615,16 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
+    t = _here.state
     result = wrapped(*args, **kwargs)
-    if T.tape is not None and _guard.current(FEATURE) is not None and not T.eager:
+    if t.tape is not None and _guard.current(FEATURE) is not None and not t.eager:
         end_tape()
     return result
 
 
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    t = T
+    t = _here.state
     if g is not None and not t.replaying:
         end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
         if t.snapshots:
@@ -614,14 +643,16 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
 
 
 def scaled(tensor: Any) -> bool:
-    ref = T.scaled.get(id(tensor))
+    t = _here.state
+    ref = t.scaled.get(id(tensor))
     return ref is not None and ref() is tensor
 
 
 def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """The total norm the loop computes anyway is the gradient sink: no pass of ampguard's own."""
+    t = _here.state
     g = _guard.current(FEATURE)
-    if g is None or T.replaying:
+    if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     try:
         args, kwargs, params = clip_arguments(args, kwargs)
@@ -632,7 +663,7 @@ def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         return wrapped(*args, **kwargs)
     total = wrapped(*args, **kwargs)
     if usable and isinstance(total, _torch.Tensor) and total.numel() == 1:
-        T.clip = (total.detach(), frozenset(id(p) for p in params), T.backwards)
+        t.clip = (total.detach(), frozenset(id(p) for p in params), t.backwards)
     return total
 
 
@@ -646,6 +677,7 @@ def _gradients_sink(g: _guard.Guard, optimizer: Any) -> Any:
 
 
 def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
+    t = _here.state
     devices = g.options.devices
     params, grads = [], []
     for group in optimizer.param_groups:
@@ -656,28 +688,29 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                 grads.append(grad)
     if not params:
         return
-    clip, T.clip = T.clip, None
-    if clip is not None and clip[2] == T.backwards and all(id(p) in clip[1] for p in params):
+    clip, t.clip = t.clip, None
+    if clip is not None and clip[2] == t.backwards and all(id(p) in clip[1] for p in params):
         parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
     else:
         parts = grads
-    T.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
+    t.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
                              optimizer=weakref.ref(optimizer)))
 
 
 @fail_safe(FEATURE)
 def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    t = _here.state
     g = _guard.current(FEATURE)
-    if g is None or T.replaying:
+    if g is None or t.replaying:
         return None
     _recover()
     end_tape()
-    while T.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
-        for param, grad in T.hidden.pop()[1]:
+    while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
+        for param, grad in t.hidden.pop()[1]:
             param.grad = grad
     if DEPTH.counts.get("scaler.step"):
-        T.poisoned = T.elsewhere = False  # GradScaler decides this step from its own found_inf
+        t.poisoned = t.elsewhere = False  # GradScaler decides this step from its own found_inf
         return None  # under a GradScaler non-finite gradients are its business; read at update()
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
     if closure is None:
@@ -720,19 +753,20 @@ class _CheckedClosure:
 @fail_safe(FEATURE)
 def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """Count the step: a parameter it makes non-finite is named at the next call that reads it."""
-    if T.hidden and T.hidden[-1][0] is optimizer:
-        _, hidden = T.hidden.pop()
+    t = _here.state
+    if t.hidden and t.hidden[-1][0] is optimizer:
+        _, hidden = t.hidden.pop()
         for param, grad in hidden:
             param.grad = grad  # as GradScaler leaves them after a skip; the loop's zero_grad() clears them
-        T.snapshots = {}
+        t.snapshots = {}
         return  # nonfinite='skip' ran it without gradients: nothing changed
     g = _guard.current(FEATURE)
-    if T.replaying or g is None:
+    if t.replaying or g is None:
         return
-    T.steps += 1
-    T.stepped.of(optimizer)
+    t.steps += 1
+    t.stepped.of(optimizer)
     if g.options.nonfinite == "skip":
-        T.snapshots = {}
+        t.snapshots = {}
         _skips_in_row(g)[0] = 0
 
 
@@ -740,13 +774,14 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _check_step(g: _guard.Guard, optimizer: Any) -> None:
     """The read before a step not driven by a GradScaler; in skip mode, skip the step if it failed."""
     __tracebackhide__ = True
+    t = _here.state
     skip = g.options.nonfinite == "skip"
-    T.agree = _agreeing_group(g) if skip else None
+    t.agree = _agreeing_group(g) if skip else None
     try:
         check()
     finally:
-        T.agree = None
-    if skip and T.poisoned and _guard.current(FEATURE) is g:
+        t.agree = None
+    if skip and t.poisoned and _guard.current(FEATURE) is g:
         _skip(g, optimizer)
 
 
@@ -754,13 +789,14 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
     """Run ``optimizer``'s step() without gradients (torch's optimizers then change neither parameters nor
     state), put back the buffers the skipped forward changed, and hold the schedulers for it."""
     __tracebackhide__ = True
-    elsewhere, T.poisoned, T.elsewhere = T.elsewhere, False, False
+    t = _here.state
+    elsewhere, t.poisoned, t.elsewhere = t.elsewhere, False, False
     in_row = _skips_in_row(g)
     in_row[0] += 1
     limit = g.options.max_consecutive_skips
     if limit is not None and in_row[0] >= limit:
         in_row[0] = 0
-        last = T.last_error
+        last = t.last_error
         story = f"\n  The latest:\n{_indent(str(last))}" if last is not None else ""
         error = NonFiniteError(
             f"ampguard: nonfinite='skip' skipped {limit} optimizer steps in a row (max_consecutive_skips={limit}): "
@@ -772,7 +808,7 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
     hidden = [(p, p.grad) for p in params_of(optimizer) if p.grad is not None]
     for p, _ in hidden:
         p.grad = None
-    T.hidden.append((optimizer, hidden))
+    t.hidden.append((optimizer, hidden))
     _restore_buffers()
     g.stats.optimizer_steps_skipped += 1
     g.stats.nonfinite_steps_skipped += 1
@@ -780,7 +816,7 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
     # every skip, not once per origin: a long run's log shows when each one happened
     log.warning("ampguard: nonfinite='skip' skipped a step of %s (%s); %d skipped so far, %d in a row",
                 g.name_of(optimizer), "another rank's loss or gradients were non-finite" if elsewhere else
-                f"non-finite {getattr(T.last_error, 'sink', 'loss or gradients')}",
+                f"non-finite {getattr(t.last_error, 'sink', 'loss or gradients')}",
                 g.stats.nonfinite_steps_skipped, in_row[0])
     if elsewhere:
         _failure.warn_elsewhere(g, optimizer)
@@ -797,6 +833,7 @@ def _indent(text: str) -> str:
 def _snapshot_buffers(g: _guard.Guard, module: Any) -> None:
     """Skip mode: the buffers as they were before this step's forward (BatchNorm's running statistics),
     copied into a stash kept per module: one foreach copy, nothing where the model has no buffers."""
+    t = _here.state
     buffers = list(module.buffers())
     if not buffers:
         return
@@ -809,11 +846,12 @@ def _snapshot_buffers(g: _guard.Guard, module: Any) -> None:
     else:
         with torch.no_grad():
             torch._foreach_copy_(stash, buffers)
-    T.snapshots[id(module)] = (module, buffers, stash)
+    t.snapshots[id(module)] = (module, buffers, stash)
 
 
 def _restore_buffers() -> None:
-    snapshots, T.snapshots = T.snapshots, {}
+    t = _here.state
+    snapshots, t.snapshots = t.snapshots, {}
     with _torch.no_grad():
         for _, buffers, stash in snapshots.values():
             for b, saved in zip(buffers, stash, strict=True):
@@ -850,23 +888,26 @@ def _all_ranks_flag(dist: Any, statuses: Any) -> Any:
 
 def stepped_optimizer_of(param: Any) -> Any:
     """The optimizer that stepped ``param`` in this thread, if any (failure path)."""
-    return next((optimizer for optimizer, _ in T.stepped.items()
+    t = _here.state
+    return next((optimizer for optimizer, _ in t.stepped.items()
                  if any(p is param for p in params_of(optimizer))), None)
 
 
 # -- reading -----------------------------------------------------------------------------------
 def _collect() -> list:
     """This guard's pending sinks as one tensor of statuses; another guard's are dropped, never judged here."""
+    t = _here.state
     g = _guard.current(FEATURE)
-    if g is None or not (T.pending or T.agree is not None):
+    if g is None or not (t.pending or t.agree is not None):
         return []
     statuses = _statuses(g)
     own = [statuses] if statuses is not None else []
-    return own if T.agree is None else [*own, _all_ranks_flag(T.agree, statuses)]
+    return own if t.agree is None else [*own, _all_ranks_flag(t.agree, statuses)]
 
 
 def _statuses(g: _guard.Guard) -> Any:
-    pending, T.pending = T.pending, []
+    th = _here.state
+    pending, th.pending = th.pending, []
     tensor = _Tensor
     tensors, taken, layout = [], [], []
     for p in pending:
@@ -893,7 +934,7 @@ def _statuses(g: _guard.Guard) -> Any:
                 tensors.append(t)
         if at:
             layout.append((p, at))
-    T.reading = layout
+    th.reading = layout
     if not layout:
         return None  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
@@ -908,8 +949,9 @@ def _statuses(g: _guard.Guard) -> Any:
 def _consume(values: list[float]) -> None:
     """Judge the sinks read, in the order they were added; raise or warn for the first bad one."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    layout, T.reading = T.reading, []
-    if T.agree is None:
+    t = _here.state
+    layout, t.reading = t.reading, []
+    if t.agree is None:
         total = sum(values)
         if total - total == 0.0:  # every status finite (one pass in C): nothing failed, the usual case
             _clear_window()
@@ -929,9 +971,9 @@ def _consume(values: list[float]) -> None:
             if not skip:
                 break
             if p.call is None:  # a loss or gradient sink: skip the step it reaches
-                T.poisoned = True
-    if skip and elsewhere and not T.poisoned:
-        T.poisoned = T.elsewhere = True  # another rank's loss or gradients: every rank skips together
+                t.poisoned = True
+    if skip and elsewhere and not t.poisoned:
+        t.poisoned = t.elsewhere = True  # another rank's loss or gradients: every rank skips together
     if failed is None:
         _clear_window()
         return
@@ -942,7 +984,8 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     """GradScaler skipped ``streak`` updates in a row: after this read's own checks, replay the backward
     at scale 1. Non-finite gradients there are made by an op at every scale, and no scale will fix them."""
     __tracebackhide__ = True
-    window, losses = T.window, T.losses  # a clean read rebinds them to new lists: these stay for the replay
+    t = _here.state
+    window, losses = t.window, t.losses  # a clean read rebinds them to new lists: these stay for the replay
     settle()  # a non-finite loss is reported as such first, with its forward op
     _clear_window()  # (if nothing of this feature was read, settle() left it)
     if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
@@ -959,13 +1002,14 @@ def _finite_after_all(p: Pending) -> bool:
 
 
 def _clear_window() -> None:
+    t = _here.state
     end_tape()
-    T.resume_tape = False
-    T.window = []
-    T.produced = {}
-    T.losses = []
-    T.backward_since_read = False
-    T.scaled = {}
+    t.resume_tape = False
+    t.window = []
+    t.produced = {}
+    t.losses = []
+    t.backward_since_read = False
+    t.scaled = {}
 
 
 _sync.participate(FEATURE, _collect, _consume)
@@ -974,34 +1018,38 @@ _sync.participate(FEATURE, _collect, _consume)
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    t = _here.state
     end_tape()  # the read's own ops are not the user's loss code
-    if T.pending or T.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
+    if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
-    if T.window and not T.pending:  # a read with nothing left to read (every output dropped) is clean
+    if t.window and not t.pending:  # a read with nothing left to read (every output dropped) is clean
         _clear_window()
 
 
 def forget_calls() -> None:
     """The module calls open in this thread, as the hooks go off (their closing will not be seen)."""
-    T.entry = None
-    T.eager = False
-    T.eager_stack = []
+    t = _here.state
+    t.entry = None
+    t.eager = False
+    t.eager_stack = []
 
 
 def drop(g: Any = None) -> None:
     """Forget the pending checks (of ``g``, or all) and the window: an exception is on its way."""
-    T.pending = [p for p in T.pending if g is not None and p.guard is not g]
-    T.clip = None
-    T.poisoned = T.elsewhere = False  # a skip decided for a step that will not come
+    t = _here.state
+    t.pending = [p for p in t.pending if g is not None and p.guard is not g]
+    t.clip = None
+    t.poisoned = t.elsewhere = False  # a skip decided for a step that will not come
     _clear_window()
 
 
 def settle(g: _guard.Guard, exiting_with_error: bool) -> None:
     """At guard() exit or uninstall(): read what is still pending, unless an exception is leaving."""
     __tracebackhide__ = True
+    t = _here.state
     if exiting_with_error or _torch is None:
         drop(g)
         return
-    if any(p.guard is g for p in T.pending) and _guard.current(FEATURE) is g:
+    if any(p.guard is g for p in t.pending) and _guard.current(FEATURE) is g:
         check()
     drop(g)
