@@ -51,16 +51,16 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
             parts.extend(tensors)
     if not parts:
         return [], _nothing
-    if device is None:
-        device = parts[0].device
-    # cat promotes: float32 with the scaler's int32 growth tracker reads as float32, and a float64 part
-    # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
-    flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
-    if len(flat) == 1:  # (usually the one status tensor of a step: no cat)
-        one = flat[0]
+    if len(parts) == 1:  # (usually the one status tensor of a step: read where it is, no cat)
+        one = parts[0]
         dim = one.dim()  # (no reshape where none is needed: a view op costs as much as a small step's Python)
         values = one.tolist() if dim == 1 else [one.item()] if dim == 0 else one.reshape(-1).tolist()
     else:
+        if device is None:
+            device = parts[0].device
+        # cat promotes: float32 with the scaler's int32 growth tracker reads as float32, and a float64 part
+        # (a finite float64 status may exceed float32) makes the whole read float64. No conversion op.
+        flat = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]
         values = sys.modules["torch"].cat([t if t.dim() == 1 else t.reshape(-1) for t in flat]).tolist()
 
     def settle() -> None:

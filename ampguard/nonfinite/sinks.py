@@ -377,7 +377,8 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    end_tape()
+    if t.tape is not None:
+        end_tape()
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -385,7 +386,7 @@ def enter(module: Any, frame: Any) -> int:
     if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
         check()  # the previous call's checks: no step consumed them
     t.resume_tape = resume
-    t.entry = (_rng_state(), _autocast_state(), grad,
+    t.entry = (_rng_state(), _autocast_state() if _any_autocast() else None, grad,
                torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
@@ -460,7 +461,10 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
     if g.options.trace != "off" and (training or t.resume_tape):
-        start_tape(g)  # the loss code follows: record it until backward()
+        if t.tape is not None:
+            t.taping = True
+        else:
+            start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
         end_tape()
 
@@ -533,11 +537,22 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
         frame = frame.f_back
         if frame is None:
             break
-    weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
+    # The arguments before this op's outputs are known as made: an in-place op returns its input.
+    # (weak() and _made() inline for torch's argument tuple and a single output: this runs for every op.)
+    produced = t.produced
+    weak_args = []
+    for v in args:
+        weak_args.append(_weak_one(v, True, produced))
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
-    refs = _made(t, outs, index)
-    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
-                         _autocast_state(), _torch.is_grad_enabled(), index))
+    if len(outs) == 1:
+        o, k = outs[0]
+        ref = weakref.ref(o)
+        refs = [(ref, k)]
+        produced[id(o)] = Ref(ref, index, k)
+    else:
+        refs = _made(t, outs, index)
+    window.append(TapeOp(func, tuple(weak_args), weak_kwargs, refs, tuple(frames),
+                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
@@ -592,7 +607,8 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     try:
         _recover()
-        end_tape()  # under Tensor.backward the mode is ours to pop only at the next hook
+        if t.tape is not None:  # under Tensor.backward the mode is ours to pop only at the next hook
+            end_tape()
         roots = args[0] if args else kwargs.get("tensors")
         roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
@@ -626,7 +642,8 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     t = _here.state
     if g is not None and not t.replaying:
-        end_tape()  # the loss code ends here: the scaler's own ops are not the user's, and cost nothing then
+        if t.tape is not None:  # the loss code ends here: the scaler's own ops are not the user's
+            end_tape()
         if t.snapshots:
             t.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
@@ -705,7 +722,8 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or t.replaying:
         return None
     _recover()
-    end_tape()
+    if t.tape is not None:
+        end_tape()
     while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in t.hidden.pop()[1]:
             param.grad = grad
@@ -1003,7 +1021,8 @@ def _finite_after_all(p: Pending) -> bool:
 
 def _clear_window() -> None:
     t = _here.state
-    end_tape()
+    if t.tape is not None:
+        end_tape()
     t.resume_tape = False
     t.window = []
     t.produced = {}
@@ -1019,7 +1038,8 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    end_tape()  # the read's own ops are not the user's loss code
+    if t.tape is not None:  # the read's own ops are not the user's loss code
+        end_tape()
     if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if t.window and not t.pending:  # a read with nothing left to read (every output dropped) is clean
