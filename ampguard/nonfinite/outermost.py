@@ -182,9 +182,9 @@ def _global_pre(module: Any, args: Any) -> None:
 
 
 def _open(module: Any, frame: Any, mode: int) -> None:
-    local = _here.state
     if mode == NOT_OUTERMOST:
         return
+    local = _here.state
     local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
     pre, post = H.ids  # the instance hooks that end this call (_detach() takes them off)
     module._forward_pre_hooks[pre] = _instance_pre

@@ -456,7 +456,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
-    known = roots(g)
+    known = g._state.get("nonfinite_roots")
+    if known is None:
+        known = roots(g)
     key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
@@ -588,8 +590,8 @@ def end_tape() -> None:
 def add_loss(g: _guard.Guard, loss: Any) -> None:
     """The loss sink; it covers every output that flowed into it, so those are not read."""
     t = _here.state
-    if t.pending:
-        t.pending = [p for p in t.pending if not p.covered]
+    if t.pending:  # (Pending.covered, inline: a property call per pending)
+        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
     ref = weak(loss, False)
     t.losses.append(ref)
     if loss.numel() == 1:
