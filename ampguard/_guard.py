@@ -49,6 +49,8 @@ class Stats:
                     or self.nonfinite_detected)
 
     def note_scale(self, scale: float) -> None:
+        if scale == self.loss_scale:
+            return  # (the usual update: min and max move only when the scale does)
         self.loss_scale = scale
         self.loss_scale_min = scale if self.loss_scale_min is None else min(self.loss_scale_min, scale)
         self.loss_scale_max = scale if self.loss_scale_max is None else max(self.loss_scale_max, scale)
@@ -76,18 +78,10 @@ class ObjectState(Generic[V]):
         return entry[0]() if entry is not None else None
 
     def of(self, obj: Any) -> V:
-        entry = self._data.get(id(obj))  # (get(), inline: this runs several times a step)
-        if entry is not None and entry[0]() is obj:
-            return entry[1]
-        return self.set(obj, self._factory(obj))
-
-    def entry(self, obj: Any) -> tuple[weakref.ref, V]:
-        """(a weak reference to ``obj``, its value), the value made if there is none: one lookup for both."""
-        entry = self._data.get(id(obj))
-        if entry is None or entry[0]() is not obj:
-            self.set(obj, self._factory(obj))
-            entry = self._data[id(obj)]
-        return entry
+        value = self.get(obj)
+        if value is None:
+            value = self.set(obj, self._factory(obj))
+        return value
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)

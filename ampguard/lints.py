@@ -87,7 +87,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        (g._state.get(FEATURE) or _state(g)).iterations.of(instance).token = instance._per_optimizer_states
+        _state(g).iterations.of(instance).token = instance._per_optimizer_states
         latest = _AUTOCAST.latest
         if latest:  # each scale() judges the autocast regions since the last one
             _AUTOCAST.latest = {}
@@ -185,7 +185,7 @@ def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None:
         return
-    stepped = (g._state.get(FEATURE) or _state(g)).stepped
+    stepped = _state(g).stepped
     if stepped.get(optimizer):
         return
     stepped.of(optimizer)

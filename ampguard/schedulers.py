@@ -44,7 +44,6 @@ class OptimizerRecord:
     applied: int = 0
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
-    scaler_record: ScalerRecord | None = None  # that scaler's record (valid while the scaler lives)
 
 
 @dataclasses.dataclass
@@ -93,25 +92,19 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
-    ran = _RAN
-    ran.optimizer = None
-    counts["scaler.step"] = 1  # DEPTH.outermost(), inline: this runs at every step
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.step"] = 0
+    _RAN.optimizer = None
+    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
-        _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
+        _remember_step(g, instance, optimizer, _RAN.optimizer is optimizer)
     except Exception as exc:
         internal_failure(FEATURE, exc)
     finally:
-        ran.optimizer = None
+        _RAN.optimizer = None
     return result
 
 
@@ -138,22 +131,19 @@ def _decides_by_running(optimizer: Any) -> bool:
 
 def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
-    if not state:
-        return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
-    found = list(state["found_inf_per_device"].values())
+    found = list(state["found_inf_per_device"].values()) if state else []
     if not found:
-        return
-    t = g._state.get(FEATURE) or tables(g)
+        return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
+    t = tables(g)
     record = t.scalers.of(scaler)
-    opt_ref, opt_record = t.optimizers.entry(optimizer)
-    pending = record.pending
-    if pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
-        record.pending = pending = [p for p in pending if p.optimizer() is not optimizer]
-    pending.append(_PendingStep(opt_ref, found, ran if _decides_by_running(optimizer) else None, opt_record))
+    opt_record = t.optimizers.of(optimizer)
+    if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
+        record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
+    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None,
+                                       opt_record))
     owner = opt_record.scaler
     if owner is None or owner() is not scaler:
         opt_record.scaler = weakref.ref(scaler)
-        opt_record.scaler_record = record
 
 
 # -- GradScaler.update ---------------------------------------------------------------------
@@ -169,12 +159,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    counts = DEPTH.counts
-    counts["scaler.update"] = 1  # DEPTH.outermost(), inline: this runs at every step
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.update"] = 0
+    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     try:
         scale, tracker = instance._scale, instance._growth_tracker
         if record is not None and record.next is not None and scale is not None and tracker is not None:
@@ -380,32 +365,26 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    record = (g._state.get(FEATURE) or tables(g)).scalers.of(scaler)
-    if new_scale is None:
-        _resolve(g, scaler, record)
-        new_value = None
-    elif isinstance(new_scale, sys.modules["torch"].Tensor):
-        new_value = _resolve(g, scaler, record, new_scale)
-    else:
-        _resolve(g, scaler, record)
+    record = tables(g).scalers.of(scaler)
+    tensor_new_scale = new_scale if isinstance(new_scale, sys.modules["torch"].Tensor) else None
+    new_value = _resolve(g, scaler, record, tensor_new_scale)
+    if new_scale is not None and tensor_new_scale is None:
         new_value = float(new_scale)
     record.after = record.next = None  # set again once this update() is done, if it was predicted
 
     scale = record.iteration_scale
+    skipped, record.iteration_skipped = record.iteration_skipped, []
+    record.iteration_scale = None
     if scale is None:  # update() without any tracked step this iteration
         return record
-    skipped = record.iteration_skipped
-    record.iteration_scale = None
     record.history.append(scale)
     record.updates += 1
     if skipped:
-        record.iteration_skipped = []
         record.consecutive_skips += 1
         record.skipped_in_run.update(dict.fromkeys(skipped))
     else:
         record.consecutive_skips = 0
-        if record.skipped_in_run:
-            record.skipped_in_run.clear()
+        record.skipped_in_run.clear()
 
     # What update() computes (torch's _amp_update_scale_ kernel, in float32)
     tracker = record.iteration_tracker
@@ -420,9 +399,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     else:
         predicted, tracker = scale, tracker + 1
     # (each branch's value is a float32 one: the scale read from its float32 tensor, or rounded above)
-    stats = g.stats
-    if predicted != stats.loss_scale:  # (min and max move only when the scale does)
-        stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
+    g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
     record.next = (predicted, tracker)
     if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
         raise _collapse(g, record, skipped, scale, predicted,
@@ -496,17 +473,16 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scheduler.step"):
+    if g is None or DEPTH.counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
     try:
-        t = g._state.get(FEATURE) or tables(g)
+        t = tables(g)
         optimizer = getattr(instance, "optimizer", None)
         opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
         snapshot = t.snapshots.get(instance) if opt_record is not None else None
-        hold = opt_record is not None and _should_hold(g, instance, opt_record, snapshot, args, kwargs)
+        hold = opt_record is not None and _should_hold(g, t, instance, opt_record, snapshot, args, kwargs)
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
@@ -515,11 +491,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    counts["scheduler.step"] = 1  # DEPTH.outermost(), inline: this runs at every step
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scheduler.step"] = 0
+    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
     if opt_record is not None:
         try:
             if snapshot is None:
@@ -531,18 +503,17 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     return result
 
 
-def _should_hold(g: Guard, scheduler: Any, opt_record: OptimizerRecord, snapshot: list | None, args: tuple,
-                 kwargs: dict) -> bool:
+def _should_hold(g: Guard, t: _Tables, scheduler: Any, opt_record: OptimizerRecord, snapshot: list | None,
+                 args: tuple, kwargs: dict) -> bool:
     """Whether GradScaler skipped every step of the scheduler's optimizer since the scheduler's last step."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    record = opt_record.scaler_record
-    if record is not None and record.pending:
-        scaler = opt_record.scaler() if opt_record.scaler is not None else None
-        if scaler is not None and any(p.record is opt_record for p in record.pending):
-            if _follows_no_count(scheduler, args, kwargs):
-                return False
-            # scheduler.step() before scaler.update(): decide now, from the same found_inf.
-            _resolve(g, scaler, record)
+    scaler = opt_record.scaler() if opt_record.scaler is not None else None
+    record = t.scalers.get(scaler) if scaler is not None else None
+    if record is not None and record.pending and any(p.record is opt_record for p in record.pending):
+        if _follows_no_count(scheduler, args, kwargs):
+            return False
+        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
+        _resolve(g, scaler, record)
     applied, skipped = snapshot or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied and \
         not _follows_no_count(scheduler, args, kwargs)
