@@ -106,6 +106,17 @@ class ObjectState(Generic[V]):
         return value
 
 
+class PerThread(threading.local):
+    """``.state``: one plain object per thread, made by ``factory`` at the thread's first use.
+
+    Every attribute read on a threading.local costs about five plain ones (45 ns against 9 ns), so a
+    hook that reads its thread's state often takes ``.state`` once and works on that object.
+    """
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.state = factory()
+
+
 class Guard:
     """Options, statistics and per-object state of one installation.
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._fallback import fail_safe
+from .._guard import PerThread
 
 _lock = threading.Lock()
 NOT_OUTERMOST, OUTERMOST, OUTERMOST_KEEP_HOOKS = 0, 1, 2
@@ -53,8 +54,7 @@ H = _Hooks()
 
 
 class _Open:
-    """This thread's open outermost call. A plain object held by a threading.local (``_here``): each hook
-    takes it once, since every attribute read on a threading.local costs about five plain ones."""
+    """This thread's open outermost call (a plain object each hook takes once: see _guard.PerThread)."""
 
     def __init__(self) -> None:
         self.root: Any = None  # the open outermost call's module in this thread
@@ -64,12 +64,7 @@ class _Open:
         self.generation = -1
 
 
-class _Here(threading.local):
-    def __init__(self) -> None:
-        self.state = _Open()
-
-
-_here = _Here()
+_here = PerThread(_Open)
 
 
 def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict, Any], None],

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import threading
 import weakref
 from typing import Any
 
@@ -44,7 +43,7 @@ from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
 from .._frames import first_user
-from .._guard import DEPTH, ObjectState
+from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
 from . import outermost
 
@@ -146,9 +145,8 @@ class Pending:
 
 
 class _Thread:
-    """One thread's state. A plain object, held by a threading.local (``_here``): an attribute of a
-    threading.local costs about five times a plain object's, and the normal path reads some hundred a
-    step, so each hook takes its thread's state once (``t = _here.state``) and works on that."""
+    """One thread's state, a plain object: each hook takes it once (``t = _here.state``), since the normal
+    path reads some hundred of these attributes a step (see _guard.PerThread)."""
 
     def __init__(self) -> None:
         self.entry: tuple | None = None  # what the open outermost call captured on entry
@@ -181,12 +179,7 @@ class _Thread:
         self.repro_origin: Any = None  # what the failure path found, for a reproducer bundle (repro.Origin)
 
 
-class _Here(threading.local):
-    def __init__(self) -> None:
-        self.state = _Thread()
-
-
-_here = _Here()
+_here = PerThread(_Thread)
 
 
 class _ThisThread:
@@ -377,8 +370,7 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    if t.tape is not None:
-        end_tape()
+    end_tape()
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -386,7 +378,7 @@ def enter(module: Any, frame: Any) -> int:
     if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
         check()  # the previous call's checks: no step consumed them
     t.resume_tape = resume
-    t.entry = (_rng_state(), _autocast_state() if _any_autocast() else None, grad,
+    t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
@@ -456,17 +448,12 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
-    known = g._state.get("nonfinite_roots")
-    if known is None:
-        known = roots(g)
+    known = roots(g)
     key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
     if g.options.trace != "off" and (training or t.resume_tape):
-        if t.tape is not None:
-            t.taping = True
-        else:
-            start_tape(g)  # the loss code follows: record it until backward()
+        start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
         end_tape()
 
@@ -539,22 +526,11 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
         frame = frame.f_back
         if frame is None:
             break
-    # The arguments before this op's outputs are known as made: an in-place op returns its input.
-    # (weak() and _made() inline for torch's argument tuple and a single output: this runs for every op.)
-    produced = t.produced
-    weak_args = []
-    for v in args:
-        weak_args.append(_weak_one(v, True, produced))
+    weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
-    if len(outs) == 1:
-        o, k = outs[0]
-        ref = weakref.ref(o)
-        refs = [(ref, k)]
-        produced[id(o)] = Ref(ref, index, k)
-    else:
-        refs = _made(t, outs, index)
-    window.append(TapeOp(func, tuple(weak_args), weak_kwargs, refs, tuple(frames),
-                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
+    refs = _made(t, outs, index)
+    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
+                         _autocast_state(), _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
@@ -590,8 +566,8 @@ def end_tape() -> None:
 def add_loss(g: _guard.Guard, loss: Any) -> None:
     """The loss sink; it covers every output that flowed into it, so those are not read."""
     t = _here.state
-    if t.pending:  # (Pending.covered, inline: a property call per pending)
-        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
+    if t.pending:
+        t.pending = [p for p in t.pending if not p.covered]
     ref = weak(loss, False)
     t.losses.append(ref)
     if loss.numel() == 1:
@@ -609,8 +585,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     try:
         _recover()
-        if t.tape is not None:  # under Tensor.backward the mode is ours to pop only at the next hook
-            end_tape()
+        end_tape()  # under Tensor.backward the mode is ours to pop only at the next hook
         roots = args[0] if args else kwargs.get("tensors")
         roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
@@ -644,8 +619,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     t = _here.state
     if g is not None and not t.replaying:
-        if t.tape is not None:  # the loss code ends here: the scaler's own ops are not the user's
-            end_tape()
+        end_tape()  # the loss code ends here: the scaler's own ops are not the user's
         if t.snapshots:
             t.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
@@ -724,8 +698,7 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or t.replaying:
         return None
     _recover()
-    if t.tape is not None:
-        end_tape()
+    end_tape()
     while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in t.hidden.pop()[1]:
             param.grad = grad
@@ -926,8 +899,8 @@ def _collect() -> list:
 
 
 def _statuses(g: _guard.Guard) -> Any:
-    th = _here.state
-    pending, th.pending = th.pending, []
+    t = _here.state
+    pending, t.pending = t.pending, []
     tensor = _Tensor
     tensors, taken, layout = [], [], []
     for p in pending:
@@ -943,18 +916,18 @@ def _statuses(g: _guard.Guard) -> Any:
             layout.append((p, at))
             continue
         for part in p.parts:
-            t = part if isinstance(part, tensor) else part()
-            if t is None:
+            value = part if isinstance(part, tensor) else part()
+            if value is None:
                 continue  # an output the user dropped: nothing can read it any more, nothing is lost
-            if t.dim() == 0:  # a scalar (a loss, a clip's total norm) is its own status: no kernel
+            if value.dim() == 0:  # a scalar (a loss, a clip's total norm) is its own status: no kernel
                 at.append(~len(taken))
-                taken.append(t.detach() if t.requires_grad else t)
+                taken.append(value.detach() if value.requires_grad else value)
             else:
                 at.append(len(tensors))
-                tensors.append(t)
+                tensors.append(value)
         if at:
             layout.append((p, at))
-    th.reading = layout
+    t.reading = layout
     if not layout:
         return None  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
@@ -1023,8 +996,7 @@ def _finite_after_all(p: Pending) -> bool:
 
 def _clear_window() -> None:
     t = _here.state
-    if t.tape is not None:
-        end_tape()
+    end_tape()
     t.resume_tape = False
     t.window = []
     t.produced = {}
@@ -1040,8 +1012,7 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    if t.tape is not None:  # the read's own ops are not the user's loss code
-        end_tape()
+    end_tape()  # the read's own ops are not the user's loss code
     if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if t.window and not t.pending:  # a read with nothing left to read (every output dropped) is clean
