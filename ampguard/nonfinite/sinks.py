@@ -370,7 +370,7 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    end_tape()
+    end_tape(t)
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -455,7 +455,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
-        end_tape()
+        end_tape(t)
 
 
 def roots(g: _guard.Guard) -> dict:
@@ -548,9 +548,11 @@ def start_tape(g: _guard.Guard) -> None:
     t.taping = True
 
 
-def end_tape() -> None:
-    """Take the tape off torch's mode stack if it is on top; otherwise stop recording until it can be."""
-    t = _here.state
+def end_tape(t: _Thread | None = None) -> None:
+    """Take the tape off torch's mode stack if it is on top; otherwise stop recording until it can be.
+    ``t``: this thread's state, where the caller holds it already (most hooks, several times a step)."""
+    if t is None:
+        t = _here.state
     mode = t.tape
     if mode is None:
         return  # (taping is only ever on while a tape is)
@@ -585,7 +587,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     try:
         _recover()
-        end_tape()  # under Tensor.backward the mode is ours to pop only at the next hook
+        end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
         roots = args[0] if args else kwargs.get("tensors")
         roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
@@ -611,7 +613,7 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     t = _here.state
     result = wrapped(*args, **kwargs)
     if t.tape is not None and _guard.current(FEATURE) is not None and not t.eager:
-        end_tape()
+        end_tape(t)
     return result
 
 
@@ -619,7 +621,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     t = _here.state
     if g is not None and not t.replaying:
-        end_tape()  # the loss code ends here: the scaler's own ops are not the user's
+        end_tape(t)  # the loss code ends here: the scaler's own ops are not the user's
         if t.snapshots:
             t.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
@@ -698,7 +700,7 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or t.replaying:
         return None
     _recover()
-    end_tape()
+    end_tape(t)
     while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in t.hidden.pop()[1]:
             param.grad = grad
@@ -996,7 +998,7 @@ def _finite_after_all(p: Pending) -> bool:
 
 def _clear_window() -> None:
     t = _here.state
-    end_tape()
+    end_tape(t)
     t.resume_tape = False
     t.window = []
     t.produced = {}
@@ -1012,7 +1014,7 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    end_tape()  # the read's own ops are not the user's loss code
+    end_tape(t)  # the read's own ops are not the user's loss code
     if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
         _sync.read([])[1]()
     if t.window and not t.pending:  # a read with nothing left to read (every output dropped) is clean
