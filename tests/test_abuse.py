@@ -1,6 +1,7 @@
 """Failure and abuse leave nothing behind: pickled errors, rejected options, usage errors that end in
 the user's frame, a disabled GradScaler, and a CLI that is a drop-in for python."""
 
+import gc
 import multiprocessing
 import pickle
 import traceback
@@ -278,15 +279,24 @@ def test_a_keyboard_interrupt_at_any_call_of_install_guard_or_uninstall_leaves_n
     ampguard.uninstall()
     clean = _state()
     n, interrupted = 1, 0
-    while n < 20000:
-        if entry == "uninstall":
-            ampguard.install()
-        if not _interrupted(n, action):
-            break  # the action ran to its end: every call of it was a place of interrupt
-        interrupted += 1
-        ampguard.uninstall()
-        assert _state() == clean, f"interrupted at call {n}"
-        n += 1 if n < 200 else 37  # every call at first, then a deterministic stride
+    # A garbage collection inside the traced region would run ampguard's weakref callbacks for objects of
+    # the steps above (a module's entry in the roots table). Python ignores an exception raised there, so
+    # an interrupt placed on such a call would look like the action running to its end. Collect now and
+    # hold collection off during the sweep: every counted call is then the action's own.
+    gc.collect()
+    gc.disable()
+    try:
+        while n < 20000:
+            if entry == "uninstall":
+                ampguard.install()
+            if not _interrupted(n, action):
+                break  # the action ran to its end: every call of it was a place of interrupt
+            interrupted += 1
+            ampguard.uninstall()
+            assert _state() == clean, f"interrupted at call {n}"
+            n += 1 if n < 200 else 37  # every call at first, then a deterministic stride
+    finally:
+        gc.enable()
     ampguard.uninstall()
     assert interrupted > 20 and _state() == clean
     g = ampguard.install()  # and everything still works afterwards
