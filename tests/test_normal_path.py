@@ -9,8 +9,16 @@ import pytest
 import torch
 
 import ampguard
-from ampguard import nonfinite
+from ampguard import _sync, nonfinite
 from ampguard.nonfinite import sinks
+
+
+@pytest.fixture(params=["host", "device"])
+def read_path(request, monkeypatch):
+    """CPU statuses are read one by one where they are; a device's ride one stacked read. On a CPU, the
+    second path runs with the first turned off."""
+    monkeypatch.setattr(_sync, "HOST_READS", request.param == "host")
+    return request.param
 
 
 def our_hooks():
@@ -203,7 +211,7 @@ def test_a_clip_before_the_latest_backward_is_not_used():
 
 @pytest.mark.parametrize(("dtype", "value"), [(torch.float32, 3e38), (torch.float16, 60000.0),
                                               (torch.float32, 1e20), (torch.bfloat16, 3e38)])
-def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value):
+def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value, read_path):
     g = ampguard.install()
     model = torch.nn.Linear(64, 64).to(dtype)
     with torch.no_grad():
@@ -223,7 +231,7 @@ def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value):
     assert g.stats.nonfinite_detected == 0
 
 
-def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once():
+def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once(read_path):
     ampguard.install()
     model = Net()
     x = torch.randn(4, 8)  # under no_grad ampguard holds no input: a replay needs the user's
@@ -234,6 +242,25 @@ def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once
             model(x)  # the next call of the same module reads it
     assert info.value.sink == "output of module 'Net'"
     assert "parameter 'head.bias'" in str(info.value)
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_caught_by_either_read(read_path):
+    g = ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()  # a clean step: loss, output and gradient statuses read together
+    opt.zero_grad()
+    before = model.fc.weight.detach().clone()
+    loss = model(x).sum() + torch.sqrt(model.fc.weight[0, 0] * 0)  # finite: sqrt(0) is 0; its gradient is not
+    loss.backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    assert info.value.sink == "gradient of parameter 'fc.weight'"
+    assert info.value.kind == "nan"
+    assert torch.equal(model.fc.weight, before)  # read before the update
+    assert g.stats.nonfinite_detected == 1
 
 
 def test_a_nan_made_by_a_step_is_named_at_the_next_forward_with_the_step():

@@ -890,12 +890,15 @@ def stepped_optimizer_of(param: Any) -> Any:
 
 # -- reading -----------------------------------------------------------------------------------
 def _collect() -> list:
-    """This guard's pending sinks as one tensor of statuses; another guard's are dropped, never judged here."""
+    """This guard's pending sinks as one tensor of statuses (their values, where all are on the CPU); another
+    guard's are dropped, never judged here."""
     t = _here.state
     g = _guard.current(FEATURE)
     if g is None or not (t.pending or t.agree is not None):
         return []
     statuses = _statuses(g)
+    if type(statuses) is _sync.OnHost:
+        return statuses
     own = [statuses] if statuses is not None else []
     return own if t.agree is None else [*own, _all_ranks_flag(t.agree, statuses)]
 
@@ -933,6 +936,10 @@ def _statuses(g: _guard.Guard) -> Any:
     if not layout:
         return None  # nothing left to read (check() clears the window)
     statuses = (_norms(tensors) if tensors else []) + taken
+    if t.agree is None:  # (with agree, the statuses go into the all-reduce as one tensor)
+        host = _sync.on_host(statuses)
+        if host is not None:
+            return host
     if len(statuses) == 1:
         return statuses[0]  # (0-dim: the read takes it as one value)
     device = statuses[0].device
