@@ -63,7 +63,7 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
         except Exception as exc:
             internal_failure(feature, exc)
             continue
-        if type(tensors) is OnHost:
+        if type(tensors) is OnHost:  # (even empty: the participant's consume() ends its step)
             shares.append((feature, consume, -1, tensors))
         elif tensors:
             n = 0

@@ -299,6 +299,22 @@ def test_devices_option_limits_which_tensors_are_watched():
         train_attention(CausalAttention(bad_sqrt=True), steps=1)
 
 
+def test_devices_option_also_limits_the_loss_given_to_a_grad_scaler():
+    g = ampguard.install(devices=("cuda",))
+    m = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        scaler.scale(m(x).sum() * (float("nan") if i == 1 else 1.0)).backward()  # a CPU loss: not watched
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert g.stats.nonfinite_detected == 0
+    assert not nonfinite.T.window  # each update() still ends the window: no batch is held past its step
+    assert g.stats.optimizer_steps_skipped == 1  # GradScaler's own decision, counted as ever
+
+
 def test_only_the_loss_code_is_recorded_and_nothing_after_backward():
     # Tensor.backward reaches ampguard from inside the tape's own handler; recording must stop there.
     ampguard.install()

@@ -629,7 +629,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         return out
     try:
         loss = args[0] if args else kwargs.get("outputs")
-        if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point():
+        if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point() and watched(g, loss):
             add_loss(g, loss)
             t.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
     except Exception as exc:
@@ -894,8 +894,11 @@ def _collect() -> list:
     guard's are dropped, never judged here."""
     t = _here.state
     g = _guard.current(FEATURE)
-    if g is None or not (t.pending or t.agree is not None):
+    if g is None:
         return []
+    if not (t.pending or t.agree is not None):
+        # Nothing to read, but this read ends the window (no sink was watched): consume([]) does
+        return _sync.OnHost() if t.window else []
     statuses = _statuses(g)
     if type(statuses) is _sync.OnHost:
         return statuses
