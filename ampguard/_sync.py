@@ -38,6 +38,11 @@ def on_host(statuses: list[Any]) -> OnHost | None:
     return OnHost([s.item() for s in statuses])
 
 
+def host_value(scalar: Any) -> float | None:
+    """The value of a one-element ``scalar`` read at once if it is on the CPU (see :func:`on_host`), else None."""
+    return scalar.item() if HOST_READS and scalar.is_cpu else None
+
+
 def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
     """Join the shared read. A failure in ``collect``/``consume`` switches off ``feature`` only."""
     _participants.append((feature, collect, consume))

@@ -263,6 +263,16 @@ def test_a_nan_gradient_under_a_finite_loss_is_caught_by_either_read(read_path):
     assert g.stats.nonfinite_detected == 1
 
 
+def test_a_finite_loss_is_read_at_once_on_a_cpu_and_the_next_forward_still_ends_its_window(read_path):
+    ampguard.install()
+    model = Net()
+    x = torch.randn(4, 8)
+    for _ in range(3):  # gradient accumulation: forward and backward, no step
+        model(x).sum().backward()
+        assert len(sinks.T.window) == 2  # this micro-batch's call and its loss code (the sum): one window each
+        assert len(sinks.T.pending) == (0 if read_path == "host" else 1)  # a finite CPU loss leaves no check
+
+
 def test_a_nan_made_by_a_step_is_named_at_the_next_forward_with_the_step():
     ampguard.install()
     model = Net()

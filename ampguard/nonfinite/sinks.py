@@ -10,7 +10,8 @@ window made is recorded as "output k of event i" (a :class:`Ref`), which the rep
 Sinks (where a NaN/Inf is an error), each an on-device status riding the shared read of
 ``_sync`` (GradScaler's read under AMP, otherwise one read at the optimizer step):
 
-1. the loss given to ``GradScaler.scale()`` or ``torch.autograd.backward``; NaN or +-Inf;
+1. the loss given to ``GradScaler.scale()`` or ``torch.autograd.backward``; NaN or +-Inf. A scalar loss
+   on the CPU is read at once (a CPU read is no device sync); only a non-finite one waits for the read;
 2. the outputs of an outermost call that no loss covers (inference, evaluation, forwards
    without backward); NaN only (log-probabilities may be -inf). Under no_grad the status is taken
    when the output is made; with grad, at the read, if the user still holds the output;
@@ -375,8 +376,9 @@ def enter(module: Any, frame: Any) -> int:
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
         drop(g)
-    if t.pending and (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
-        check()  # the previous call's checks: no step consumed them
+    if (t.pending or t.window) and \
+            (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
+        check()  # the previous call's checks (or its window, if none is left): no step consumed them
     t.resume_tape = resume
     t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
@@ -573,6 +575,9 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
     ref = weak(loss, False)
     t.losses.append(ref)
     if loss.numel() == 1:
+        value = _sync.host_value(loss)
+        if value is not None and value - value == 0.0:
+            return  # a finite loss on the CPU, read at once: nothing to check at the step
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
     else:
         part = weakref.ref(loss)  # read if still held; its gradients are checked in any case
@@ -897,7 +902,7 @@ def _collect() -> list:
     if g is None:
         return []
     if not (t.pending or t.agree is not None):
-        # Nothing to read, but this read ends the window (no sink was watched): consume([]) does
+        # Nothing to read, but this read ends the window (a finite CPU loss leaves no check): consume([]) does
         return _sync.OnHost() if t.window else []
     statuses = _statuses(g)
     if type(statuses) is _sync.OnHost:
