@@ -40,6 +40,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# detect_anomaly warns at every entry, and each configuration is entered once per rep and workload
+warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled", category=UserWarning)
+
 CONFIGS = {
     "plain": contextlib.nullcontext,
     "nonfinite='off'": lambda: ampguard.guard(nonfinite="off"),
