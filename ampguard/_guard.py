@@ -204,8 +204,29 @@ def _rank_label() -> str:
             return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
     except Exception:
         pass
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if _last_rank:
+        return _last_rank
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")  # (Lightning's ddp sets no RANK)
     return f" (rank {rank} of {world})" if rank is not None and world not in (None, "1") else ""
+
+
+_last_rank = ""  # the label while the process group was last up
+
+
+def _remember_rank(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A program destroys its process group just before it exits, as PyTorch asks: keep the rank for the
+    exit report, which runs after."""
+    global _last_rank
+    try:
+        _last_rank = _rank_label() or _last_rank
+    except Exception as exc:  # (never in the way of the user's teardown)
+        log.debug("ampguard: no rank label at destroy_process_group: %r", exc)
+    return wrapped(*args, **kwargs)
+
+
+for _module in ("torch.distributed", "torch.distributed.distributed_c10d"):  # the name users call, and its home
+    REGISTRY.add(Target("torch", _module, "destroy_process_group", _remember_rank,
+                        "keep the rank for the exit report: the process group is usually gone by then"))
 
 
 # -- installation state ------------------------------------------------------------------
