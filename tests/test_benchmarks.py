@@ -12,6 +12,8 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
     ("core_overhead.py", ["--reps", "1", "--steps", "3"], "installed:"),
     ("overhead.py", ["--quick"], "one replay on failure"),
     ("distributed_overhead.py", ["--reps", "1", "--steps", "2", "--width", "8"], "all_reduce of the 2x1 table"),
+    ("hook_times.py", ["--steps", "20"], "ampguard's entry points:"),
+    ("hook_times.py", ["--workload", "lightning", "--config", "off", "--steps", "10"], "ampguard's entry points:"),
 ])
 def test_benchmark_runs_and_prints_its_table(python, script, args, last_row):
     proc = python(None, str(BENCHMARKS / script), *args, timeout=240)
