@@ -273,6 +273,19 @@ def test_a_finite_loss_is_read_at_once_on_a_cpu_and_the_next_forward_still_ends_
         assert len(sinks.T.pending) == (0 if read_path == "host" else 1)  # a finite CPU loss leaves no check
 
 
+def test_a_read_whose_every_sink_was_dropped_still_ends_its_window(read_path):
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    out = model(torch.randn(4, 8))
+    scaler.scale(out).backward(torch.ones_like(out))  # a loss of 8 elements: held weakly, read if still held
+    del out
+    scaler.step(opt)
+    scaler.update()  # nothing left to read, and the step is over: no call or batch stays recorded
+    assert not sinks.T.window and not sinks.T.pending
+
+
 def test_a_nan_made_by_a_step_is_named_at_the_next_forward_with_the_step():
     ampguard.install()
     model = Net()

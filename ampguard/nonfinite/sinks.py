@@ -907,6 +907,8 @@ def _collect() -> list:
     statuses = _statuses(g)
     if type(statuses) is _sync.OnHost:
         return statuses
+    if statuses is None and t.agree is None:
+        return _sync.OnHost() if t.window else []  # every sink was dropped: the read still ends the window
     own = [statuses] if statuses is not None else []
     return own if t.agree is None else [*own, _all_ranks_flag(t.agree, statuses)]
 
@@ -942,7 +944,7 @@ def _statuses(g: _guard.Guard) -> Any:
             layout.append((p, at))
     t.reading = layout
     if not layout:
-        return None  # nothing left to read (check() clears the window)
+        return None  # nothing left to read (every output or loss the user dropped)
     statuses = (_norms(tensors) if tensors else []) + taken
     if t.agree is None:  # (with agree, the statuses go into the all-reduce as one tensor)
         host = _sync.on_host(statuses)
