@@ -901,14 +901,12 @@ def _collect() -> list:
     g = _guard.current(FEATURE)
     if g is None:
         return []
-    if not (t.pending or t.agree is not None):
-        # Nothing to read, but this read ends the window (a finite CPU loss leaves no check): consume([]) does
-        return _sync.OnHost() if t.window else []
-    statuses = _statuses(g)
+    statuses = _statuses(g) if t.pending or t.agree is not None else None
     if type(statuses) is _sync.OnHost:
         return statuses
     if statuses is None and t.agree is None:
-        return _sync.OnHost() if t.window else []  # every sink was dropped: the read still ends the window
+        # Nothing to read (no check left, or every sink dropped), but this read still ends the window: consume([])
+        return _sync.OnHost() if t.window else []
     own = [statuses] if statuses is not None else []
     return own if t.agree is None else [*own, _all_ranks_flag(t.agree, statuses)]
 
@@ -1032,10 +1030,8 @@ def check() -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
     end_tape(t)  # the read's own ops are not the user's loss code
-    if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads, to all-reduce the flag)
-        _sync.read([])[1]()
-    if t.window and not t.pending:  # a read with nothing left to read (every output dropped) is clean
-        _clear_window()
+    if t.pending or t.window or t.agree is not None:  # (at a skip-mode step every rank reads: the flag)
+        _sync.read([])[1]()  # (it ends the window, also with nothing left to read)
 
 
 def forget_calls() -> None:
