@@ -568,7 +568,9 @@ def end_tape(t: _Thread | None = None) -> None:
 
 # -- loss sinks and backward -------------------------------------------------------------------
 def add_loss(g: _guard.Guard, loss: Any) -> None:
-    """The loss sink; it covers every output that flowed into it, so those are not read."""
+    """The loss sink (on a watched device); it covers every output that flowed into it, so those are not read."""
+    if not watched(g, loss):
+        return
     t = _here.state
     if t.pending:
         t.pending = [p for p in t.pending if not p.covered]
@@ -576,7 +578,7 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
     t.losses.append(ref)
     if loss.numel() == 1:
         value = _sync.host_value(loss)
-        if value is not None and value - value == 0.0:
+        if value is not None and math.isfinite(value):
             return  # a finite loss on the CPU, read at once: nothing to check at the step
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
     else:
@@ -596,7 +598,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         roots = args[0] if args else kwargs.get("tensors")
         roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
-            if r.is_floating_point() and watched(g, r) and not scaled(r):
+            if r.is_floating_point() and not scaled(r):
                 add_loss(g, r)
         t.backward_since_read = True
         t.backwards += 1
@@ -634,7 +636,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         return out
     try:
         loss = args[0] if args else kwargs.get("outputs")
-        if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point() and watched(g, loss):
+        if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point():
             add_loss(g, loss)
             t.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
     except Exception as exc:
