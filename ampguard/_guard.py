@@ -196,31 +196,34 @@ class Guard:
         return f"<ampguard.Guard {self.options}>"
 
 
-def _rank_label() -> str:
-    """`` (rank 1 of 2)`` in a distributed run, so the reports of several processes can be told apart."""
+_last_rank = ""  # the label while the process group was last up (see _remember_rank)
+
+
+def _live_rank_label() -> str:
+    """`` (rank 1 of 2)`` while a process group of more than one rank is up, else ""."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
     except Exception:
         pass
-    if _last_rank:
-        return _last_rank
+    return ""
+
+
+def _rank_label() -> str:
+    """`` (rank 1 of 2)`` in a distributed run, so the reports of several processes can be told apart."""
+    label = _live_rank_label() or _last_rank
+    if label:
+        return label
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")  # (Lightning's ddp sets no RANK)
     return f" (rank {rank} of {world})" if rank is not None and world not in (None, "1") else ""
-
-
-_last_rank = ""  # the label while the process group was last up
 
 
 def _remember_rank(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """A program destroys its process group just before it exits, as PyTorch asks: keep the rank for the
     exit report, which runs after."""
     global _last_rank
-    try:
-        _last_rank = _rank_label() or _last_rank
-    except Exception as exc:  # (never in the way of the user's teardown)
-        log.debug("ampguard: no rank label at destroy_process_group: %r", exc)
+    _last_rank = _live_rank_label() or _last_rank  # (it never raises: never in the way of the user's teardown)
     return wrapped(*args, **kwargs)
 
 
