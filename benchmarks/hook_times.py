@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import os
 import statistics
@@ -86,7 +87,7 @@ def instrument() -> None:
     """Before any install: the registry wraps with ``Target.wrapper``, the switches register these names."""
     for i, target in enumerate(_patching.REGISTRY._targets):
         name = f"{target.owner.rpartition(':')[2] or target.owner}.{target.name} ({target.wrapper.__module__})"
-        _patching.REGISTRY._targets[i] = _replace(target, _entry(name, target.wrapper, wrapper=True))
+        _patching.REGISTRY._targets[i] = dataclasses.replace(target, wrapper=_entry(name, target.wrapper, wrapper=True))
     for owner, attr in HOOKS:
         setattr(owner, attr, _entry(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
     closure_init = sinks._CheckedClosure.__init__
@@ -95,12 +96,6 @@ def instrument() -> None:
         closure_init(self, g, optimizer, _user(closure))  # the user's closure: forward and backward
 
     sinks._CheckedClosure.__init__ = init
-
-
-def _replace(target: Any, wrapper: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(target, wrapper=wrapper)
 
 
 def _timer_cost() -> float:
