@@ -393,3 +393,60 @@ def test_warn_mode_under_warnings_as_errors_raises_the_warning_not_an_internal_e
         with pytest.raises(ampguard.AmpGuardWarning, match=r"torch\.sqrt"):
             CausalAttention(bad_sqrt=True)(torch.randn(2, 6, 8))
     assert "nonfinite" not in g._disabled
+
+
+class Recommender(torch.nn.Module):
+    """A recommender's shape: a sparse item embedding (SparseAdam) beside a dense head (Adam)."""
+
+    def __init__(self, bad_sqrt=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.items = torch.nn.EmbeddingBag(1000, 16, mode="mean", sparse=True)
+        self.head = torch.nn.Linear(16, 1)
+        self.bad_sqrt = bad_sqrt
+
+    def forward(self, baskets, offsets):
+        v = self.items(baskets, offsets)
+        if self.bad_sqrt:
+            v = torch.sqrt(v * 0)  # finite (0); its gradient is NaN  # SPARSE SQRT LINE
+        return self.head(v).squeeze(1)
+
+
+def train_recommender(model, steps=4):
+    sparse = torch.optim.SparseAdam(list(model.items.parameters()), lr=0.01)
+    dense = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        baskets = torch.randint(0, 1000, (64,), generator=g)
+        offsets = torch.arange(0, 64, 4)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(baskets, offsets), torch.randint(0, 2, (16,), generator=g).float())
+        loss.backward()
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_sparse_embedding_gradients_are_checked_and_train_as_without_ampguard():
+    plain = train_recommender(Recommender())
+    g = ampguard.install()
+    assert train_recommender(Recommender()) == plain  # no internal failure, no switch-off, the same run
+    assert "nonfinite" not in g._disabled and g.stats.nonfinite_detected == 0
+
+
+def test_a_nan_in_a_sparse_gradient_is_named_with_its_backward_op():
+    ampguard.install()
+    model = Recommender(bad_sqrt=True)
+    before = model.items.weight.detach().clone()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        train_recommender(model, steps=1)
+    err = info.value
+    assert err.sink == "gradient of parameter 'items.weight'" and err.kind == "nan"
+    assert "shape (1000, 16), torch.float32, sparse_coo; 1024 NaN, 0 +Inf, 0 -Inf of 1024 stored elements" in str(err)
+    assert err.op == "torch.sqrt"
+    assert err.origin[-1].lineno == line_of(Recommender.forward, "SPARSE SQRT LINE")
+    assert torch.equal(model.items.weight, before)  # read before the update

@@ -141,7 +141,7 @@ def kinds(tensor: Any) -> frozenset:
     """Which of NaN, +Inf and -Inf a tensor holds (failure path: reads the device)."""
     torch = sinks._torch
     with torch._C.DisableTorchFunction():
-        t = tensor.detach()
+        t = sinks.stored(tensor.detach())
         if t.is_complex():
             t = torch.view_as_real(t)
         if bool(torch.isfinite(t).all()):

@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 from .._frames import line_at
+from . import sinks
 
 _LIMITS = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38, "torch.float32": 3.40e38, "torch.float64": 1.8e308}
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,12 +70,15 @@ def describe_tensor(tensor: Any) -> str:
         return "freed before the check: no element counts"
     with torch._C.DisableTorchFunction():
         t = tensor.detach()
+        sparse = t.layout is not torch.strided
+        shape, layout = tuple(t.shape), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
+        t = sinks.stored(t)  # (a sparse tensor's values: its implicit zeros are finite)
         nan = int(torch.isnan(t).sum())
         pos = int(torch.isposinf(t).sum())
         neg = int(torch.isneginf(t).sum())
         finite = t[torch.isfinite(t)]
-        text = f"shape {tuple(t.shape)}, {t.dtype}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
-            f"element{'s' if t.numel() != 1 else ''}"
+        text = f"shape {shape}, {t.dtype}{layout}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
+            f"{'stored ' if sparse else ''}element{'s' if t.numel() != 1 else ''}"
         if finite.numel():
             amax = float(finite.abs().max())
             limit = _LIMITS.get(str(t.dtype))

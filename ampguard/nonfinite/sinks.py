@@ -199,9 +199,18 @@ class _ThisThread:
 T: Any = _ThisThread()
 
 
+def stored(tensor: Any) -> Any:
+    """The elements ``tensor`` stores, as a strided tensor: a sparse tensor's values (the gradient of an
+    ``Embedding(sparse=True)``), whose implicit zeros are finite. torch's reductions take no sparse input."""
+    layout = tensor.layout
+    if layout is _torch.strided:
+        return tensor
+    return tensor._values() if layout is _torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
+
+
 def norm(tensor: Any) -> Any:
     """The 2-norm status of one tensor, in float32 (float64 for float64): one bandwidth pass."""
-    t = tensor.detach()
+    t = stored(tensor.detach())
     return _torch.linalg.vector_norm(t, 2, dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
 
 
@@ -226,7 +235,7 @@ def _norms(tensors: list) -> list:
 def finite(tensor: Any) -> bool:
     """The exact answer, for the failure path only (reads the device)."""
     with _torch._C.DisableTorchFunction():
-        return bool(_torch.isfinite(tensor.detach()).all())
+        return bool(_torch.isfinite(stored(tensor.detach())).all())
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -681,13 +690,14 @@ def _gradients_sink(g: _guard.Guard, optimizer: Any) -> Any:
 def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     t = _here.state
     devices = g.options.devices
+    strided = _torch.strided
     params, grads = [], []
     for group in optimizer.param_groups:
         for p in group["params"]:
             grad = p.grad
             if grad is not None and grad.is_floating_point() and (devices is None or grad.device.type in devices):
                 params.append(p)
-                grads.append(grad)
+                grads.append(grad if grad.layout is strided else stored(grad))
     if not params:
         return
     clip, t.clip = t.clip, None
@@ -939,7 +949,7 @@ def _statuses(g: _guard.Guard) -> Any:
                 taken.append(value.detach() if value.requires_grad else value)
             else:
                 at.append(len(tensors))
-                tensors.append(value)
+                tensors.append(stored(value))
         if at:
             layout.append((p, at))
     t.reading = layout
