@@ -450,3 +450,38 @@ def test_a_nan_in_a_sparse_gradient_is_named_with_its_backward_op():
     assert err.op == "torch.sqrt"
     assert err.origin[-1].lineno == line_of(Recommender.forward, "SPARSE SQRT LINE")
     assert torch.equal(model.items.weight, before)  # read before the update
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)  # CE LINE
+
+
+def test_a_batch_of_padding_only_is_named_at_the_users_cross_entropy_line_not_inside_torch():
+    ampguard.install()
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 50, (4, 8))
+    lm_loss(model(ids), ids).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        lm_loss(model(ids), torch.full_like(ids, -100)).backward()  # every target ignored: a mean over none is NaN
+        opt.step()
+    message = str(info.value)
+    line = line_of(lm_loss, "CE LINE")
+    # The op's own line is the user's call: not the line where cross_entropy hands itself to ampguard's recorder.
+    own = f"inside torch.nn.functional.cross_entropy (inputs finite, output NaN) at\n    {__file__}:{line} in lm_loss"
+    assert own in message
+    assert "functional.py" not in message and "called from your code" not in message
+    assert info.value.origin[-1].lineno == line

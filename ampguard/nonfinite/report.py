@@ -24,6 +24,7 @@ _PLUMBING = tuple(os.path.join("torch", p) for p in (
     os.path.join("autograd", "grad_mode.py"), os.path.join("amp", "autocast_mode.py"),
     os.path.join("_dynamo", "eval_frame.py"), os.path.join("nn", "modules", "module.py"), "_compile.py",
     os.path.join("utils", "_pytree.py"), "_jit_internal.py", os.path.join("autograd", "function.py")))
+_OVERRIDES = os.path.join("torch", "overrides.py")
 _LIBRARIES: tuple[str, ...] = ()
 
 
@@ -125,7 +126,15 @@ def normalise(frames: tuple) -> list[tuple[str, int, str]]:
         else:
             code, lasti = f
             out.append((code.co_filename, line_at(code, lasti), code.co_name))
-    return [f for f in out if not _plumbing(f[0])]
+    kept, dispatched = [], False
+    for f in out:
+        if dispatched:  # a torch function handing itself to a mode (the loss-code record): its line says nothing
+            dispatched = False
+            continue
+        dispatched = f[2] == "handle_torch_function" and f[0].endswith(_OVERRIDES)
+        if not _plumbing(f[0]):
+            kept.append(f)
+    return kept
 
 
 def sites(frames: tuple) -> tuple[tuple | None, tuple | None, list]:
