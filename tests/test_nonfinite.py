@@ -485,3 +485,59 @@ def test_a_batch_of_padding_only_is_named_at_the_users_cross_entropy_line_not_in
     assert own in message
     assert "functional.py" not in message and "called from your code" not in message
     assert info.value.origin[-1].lineno == line
+
+
+class SpectralFilter(torch.nn.Module):
+    """An FFT model's shape: a learned complex filter between rfft and irfft (audio, operator learning)."""
+
+    def __init__(self, bad_sqrt=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.filter = torch.nn.Parameter(torch.randn(9, dtype=torch.cfloat))
+        self.head = torch.nn.Linear(16, 1)
+        self.bad_sqrt = bad_sqrt
+
+    def forward(self, x):
+        w = self.filter
+        if self.bad_sqrt:
+            w = w * torch.sqrt(w.abs() * 0).sum().add(1)  # finite (w * 1); the gradient of w is NaN  # CPLX SQRT LINE
+        return self.head(torch.fft.irfft(torch.fft.rfft(x, dim=-1) * w, n=16, dim=-1))
+
+
+def train_spectral(model, steps=3):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_complex_parameters_train_as_without_ampguard_and_their_nan_gradients_are_named():
+    plain = train_spectral(SpectralFilter())
+    g = ampguard.install()
+    assert train_spectral(SpectralFilter()) == plain
+    model = SpectralFilter(bad_sqrt=True)
+    before = model.filter.detach().clone()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        train_spectral(model, steps=1)
+    err = info.value
+    assert err.sink == "gradient of parameter 'filter'" and err.kind == "nan"
+    assert "shape (9,), torch.complex64; 18 NaN, 0 +Inf, 0 -Inf of 18 real and imaginary parts" in str(err)
+    assert err.op == "torch.sqrt" and err.origin[-1].lineno == line_of(SpectralFilter.forward, "CPLX SQRT LINE")
+    assert torch.equal(model.filter, before)  # read before the update: the step was not taken
+    assert g.stats.nonfinite_detected == 1
+
+
+def test_a_nan_complex_parameter_is_named_as_the_input_it_is():
+    ampguard.install()
+    model = SpectralFilter()
+    with torch.no_grad():
+        model.filter[3] = complex(float("nan"), 0.0)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        train_spectral(model, steps=1)
+    assert "It entered already non-finite (NaN): parameter 'filter', an input of Tensor.mul" in str(info.value)

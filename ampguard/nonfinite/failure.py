@@ -429,7 +429,7 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
         from torch.utils._pytree import tree_leaves
 
         leaves = tree_leaves((args, kwargs))
-        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
         numbers = [v for v in leaves if isinstance(v, float) and v != v]
         if any(bool(torch.isnan(t).any()) for t in inputs):
             return

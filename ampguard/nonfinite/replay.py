@@ -94,7 +94,8 @@ class Session:
         torch = sinks._torch
         from torch.utils._pytree import tree_leaves
 
-        outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        outputs = [o for o in tree_leaves(out)
+                   if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
         if not outputs:
             return
         inputs, leaves = [], []
@@ -141,9 +142,7 @@ def kinds(tensor: Any) -> frozenset:
     """Which of NaN, +Inf and -Inf a tensor holds (failure path: reads the device)."""
     torch = sinks._torch
     with torch._C.DisableTorchFunction():
-        t = sinks.stored(tensor.detach())
-        if t.is_complex():
-            t = torch.view_as_real(t)
+        t = sinks.stored(tensor.detach())  # (a sparse tensor's values, a complex one's parts)
         if bool(torch.isfinite(t).all()):
             return frozenset()
         found = set()

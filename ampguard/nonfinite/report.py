@@ -71,15 +71,18 @@ def describe_tensor(tensor: Any) -> str:
         return "freed before the check: no element counts"
     with torch._C.DisableTorchFunction():
         t = tensor.detach()
-        sparse = t.layout is not torch.strided
+        sparse, dtype = t.layout is not torch.strided, t.dtype
         shape, layout = tuple(t.shape), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
-        t = sinks.stored(t)  # (a sparse tensor's values: its implicit zeros are finite)
+        what = "stored element" if sparse else "element"
+        if t.is_complex():
+            what = "real and imaginary part" if not sparse else "stored real and imaginary part"
+        t = sinks.stored(t)  # (a sparse tensor's values: its implicit zeros are finite; a complex one's parts)
         nan = int(torch.isnan(t).sum())
         pos = int(torch.isposinf(t).sum())
         neg = int(torch.isneginf(t).sum())
         finite = t[torch.isfinite(t)]
-        text = f"shape {shape}, {t.dtype}{layout}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
-            f"{'stored ' if sparse else ''}element{'s' if t.numel() != 1 else ''}"
+        text = f"shape {shape}, {dtype}{layout}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
+            f"{what}{'s' if t.numel() != 1 else ''}"
         if finite.numel():
             amax = float(finite.abs().max())
             limit = _LIMITS.get(str(t.dtype))

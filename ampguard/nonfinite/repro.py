@@ -192,7 +192,7 @@ def _detached(value: Any) -> Any:
 
     def copy(t: Any) -> Any:
         out = t.detach().clone()
-        return out.requires_grad_(True) if t.requires_grad and out.is_floating_point() else out
+        return out.requires_grad_(True) if t.requires_grad and (out.is_floating_point() or out.is_complex()) else out
 
     return tree_map_only(sinks._torch.Tensor, copy, value)
 

@@ -200,12 +200,16 @@ T: Any = _ThisThread()
 
 
 def stored(tensor: Any) -> Any:
-    """The elements ``tensor`` stores, as a strided tensor: a sparse tensor's values (the gradient of an
-    ``Embedding(sparse=True)``), whose implicit zeros are finite. torch's reductions take no sparse input."""
+    """What ``tensor`` stores, as a strided real tensor with the same non-finite elements: a sparse tensor's
+    values (the gradient of an ``Embedding(sparse=True)``), whose implicit zeros are finite; a complex
+    tensor's real and imaginary parts. torch's norms take neither as they are."""
+    torch = _torch
     layout = tensor.layout
-    if layout is _torch.strided:
-        return tensor
-    return tensor._values() if layout is _torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
+    if layout is not torch.strided:
+        tensor = tensor._values() if layout is torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
+    if tensor.is_complex():
+        return torch.view_as_real(tensor.conj() if tensor.is_conj() else tensor)  # (a view: no copy)
+    return tensor
 
 
 def norm(tensor: Any) -> Any:
@@ -244,7 +248,8 @@ def watched(g: _guard.Guard, tensor: Any) -> bool:
 
 
 def floating(value: Any) -> list:
-    """(tensor, position) for the floating tensors in an output: a tensor, a tuple/list, a dict's values."""
+    """(tensor, position) for the floating (or complex) tensors in an output: a tensor, a tuple/list, a dict's
+    values."""
     tensor = _torch.Tensor
     if isinstance(value, tensor):
         items: Any = ((0, value),)
@@ -254,7 +259,8 @@ def floating(value: Any) -> list:
         items = value.items()
     else:
         return []
-    return [(v, k) for k, v in items if isinstance(v, tensor) and v.is_floating_point() and v.numel()]
+    return [(v, k) for k, v in items
+            if isinstance(v, tensor) and (v.is_floating_point() or v.is_complex()) and v.numel()]
 
 
 def weak(value: Any, data: bool) -> Any:
@@ -510,7 +516,7 @@ def _make_tape() -> Any:
                 return out
             try:
                 if isinstance(out, tensor):
-                    if out.is_floating_point():
+                    if out.is_floating_point() or out.is_complex():
                         _record(t, func, args, kwargs, ((out, 0),), sys._getframe(1))
                 else:
                     outs = floating(out)
@@ -695,9 +701,17 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             grad = p.grad
-            if grad is not None and grad.is_floating_point() and (devices is None or grad.device.type in devices):
-                params.append(p)
-                grads.append(grad if grad.layout is strided else stored(grad))
+            if grad is None or (devices is not None and grad.device.type not in devices):
+                continue
+            if grad.is_floating_point():
+                if grad.layout is not strided:
+                    grad = stored(grad)
+            elif grad.is_complex():
+                grad = stored(grad)
+            else:
+                continue
+            params.append(p)
+            grads.append(grad)
     if not params:
         return
     clip, t.clip = t.clip, None
