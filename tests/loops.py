@@ -77,3 +77,16 @@ def reference_loop(make_sched, iterations: int, skipped=(), *, make_opt=None):
         opt.zero_grad()
         lrs.append(lr(opt))
     return lrs, m, sched
+
+
+class CountSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the host reads of tensor values (``item()``, ``tolist()``): on a device, each is a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))

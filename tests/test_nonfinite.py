@@ -541,3 +541,37 @@ def test_a_nan_complex_parameter_is_named_as_the_input_it_is():
     with pytest.raises(ampguard.NonFiniteError) as info:
         train_spectral(model, steps=1)
     assert "It entered already non-finite (NaN): parameter 'filter', an input of Tensor.mul" in str(info.value)
+
+
+def wgan_gp_critic_step(critic, opt, real, fake, poison=False):
+    """A WGAN-GP critic step: the critic called on interpolates, fake and real data before one backward()."""
+    eps = torch.rand(real.shape[0], 1, generator=torch.Generator().manual_seed(3))
+    interp = (eps * real + (1 - eps) * fake).requires_grad_(True)
+    grads, = torch.autograd.grad(critic(interp).sum(), interp, create_graph=True)
+    norm = grads.norm(2, dim=1) * (0 if poison else 1)
+    penalty = ((torch.sqrt(norm) - 1) ** 2).mean()  # sqrt at 0: finite, its gradient is not  # GP LINE
+    loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_a_gradient_penalty_over_three_critic_calls_is_replayed_whole_and_names_its_line():
+    def run(poison_at=None):
+        torch.manual_seed(0)
+        critic = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        return [wgan_gp_critic_step(critic, opt, torch.randn(16, 4, generator=g), torch.randn(16, 4, generator=g),
+                                    poison=i == poison_at) for i in range(3)]
+
+    plain = run()
+    ampguard.install()
+    assert run() == plain
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        run(poison_at=1)
+    err = info.value
+    assert err.sink == "gradient of parameter '0.weight'" and err.op == "torch.sqrt"
+    assert err.origin[-1].lineno == line_of(wgan_gp_critic_step, "GP LINE")
+    assert "did not reproduce" not in str(err)

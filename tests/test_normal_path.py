@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from loops import CountSyncs
 
 import ampguard
 from ampguard import _sync, nonfinite
@@ -342,3 +343,48 @@ def test_recorded_instruction_offsets_give_the_line_numbers_frames_give():
     assert len(seen) > 5 and any("torch" in code.co_filename for code, _, _ in seen)
     assert [line_at(code, lasti) for code, lasti, _ in seen] == [lineno for _, _, lineno in seen]
     assert line_at(hook.__code__, -1) == hook.__code__.co_firstlineno
+
+
+class Unrolled(torch.nn.Module):
+    """A recurrent cell unrolled over time: the same module called once per time step of one batch."""
+
+    def __init__(self, poison_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell = torch.nn.GRUCell(8, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.poison_at = poison_at
+
+    def run(self, x):
+        h = torch.zeros(x.shape[1], 16)
+        for t in range(x.shape[0]):
+            h = self.cell(x[t] if t != self.poison_at else torch.log(x[t] - x[t].abs() - 1), h)  # POISON LINE
+        return self.head(h).pow(2).mean()
+
+
+def test_a_cell_unrolled_over_time_adds_one_read_a_step_not_one_a_time_step(monkeypatch):
+    monkeypatch.setattr(_sync, "HOST_READS", False)  # the path a device takes: each read is a sync
+    x = torch.randn(20, 4, 8)
+    counts = []
+    for installed in (False, True):
+        if installed:
+            ampguard.install()
+        model = Unrolled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CountSyncs() as mode:
+            model.run(x).backward()
+            opt.step()
+        counts.append(mode.syncs)
+    assert counts[1] - counts[0] == 1  # the step's read; no read at the 19 repeated calls of the cell
+
+
+def test_a_nan_at_an_early_time_step_is_named_at_the_step_with_the_calls_before_it():
+    ampguard.install()
+    model = Unrolled(poison_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model.run(torch.randn(20, 4, 8)).backward()
+        opt.step()
+    err = info.value
+    assert err.sink == "loss" and err.op == "torch.log"
+    assert err.origin[-1].line.strip().startswith("h = self.cell(")

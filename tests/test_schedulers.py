@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, data, lr, model, reference_loop, scaled_loop
+from loops import CountSyncs, Overflow, data, lr, model, reference_loop, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -285,17 +285,6 @@ def test_an_optimizer_like_object_without_a_dict_is_tracked():
     assert "schedulers" in g._on
 
 
-class _CountSyncs(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.item):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(("with_scaler", "options", "added"), [
     (True, {"nonfinite": "off"}, 1), (False, {"nonfinite": "off"}, 0),  # gating alone: none without a scaler
     (True, {}, 1), (False, {}, 1),  # everything on: still one per step, the sinks share the read
@@ -323,7 +312,7 @@ def test_at_most_one_added_sync_per_iteration(with_scaler, options, added, monke
         opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=True)
         sched = lambda_warmup(opt)
         scaler = torch.amp.GradScaler("cpu") if with_scaler else None
-        with _CountSyncs() as mode:
+        with CountSyncs() as mode:
             iteration(m, opt, scaler, sched)
         counts.append(mode.syncs)
     assert counts[1] - counts[0] == added

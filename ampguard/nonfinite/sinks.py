@@ -26,10 +26,11 @@ A scalar (a loss, a clip's total norm) is its own status, with no kernel at all.
 Parameters are not checked after a step: a parameter a step made non-finite reaches the next
 call's loss or output, which is read before another step is applied, and the replay names it.
 
-A check is read at a step, and at the latest at the next outermost call of the same module (or
-of any module after a ``backward()``), at ``guard()`` exit, at ``uninstall()`` and, under
-``AMPGUARD=1``, at interpreter exit. A check queued before a ``backward()`` or a closure that
-raised is dropped: the user's exception wins. A check belongs to its guard.
+A check is read at a step, and at the latest at the next outermost call of any module after a
+``backward()``, or of the same module where that call starts a new batch (see :func:`_new_batch`), at
+``guard()`` exit, at ``uninstall()`` and, under ``AMPGUARD=1``, at interpreter exit. A check queued
+before a ``backward()`` or a closure that raised is dropped: the user's exception wins. A check belongs
+to its guard.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from . import outermost
 FEATURE = "nonfinite"
 log = logging.getLogger("ampguard")
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
+REPEATS = 64  # train-mode calls of one module with grad and no backward() that the window keeps (see _new_batch)
 
 _torch: Any = None  # bound when the hooks switch on; every path below runs after that
 _Tensor: Any = None
@@ -155,6 +157,7 @@ class _Thread:
         self.reading: list[tuple[Pending, list[int]]] = []  # the pendings the read in progress took
         self.window: list = []  # Calls and TapeOps since the last read, in order
         self.produced: dict[int, Ref] = {}  # id(tensor) -> the Ref of a window output
+        self.calls: dict[int, int] = {}  # id(module) -> its outermost calls in the window
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
@@ -391,8 +394,7 @@ def enter(module: Any, frame: Any) -> int:
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
         drop(g)
-    if (t.pending or t.window) and \
-            (t.backward_since_read or any(type(c) is Call and c.module is module for c in t.window)):
+    if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
         check()  # the previous call's checks (or its window, if none is left): no step consumed them
     t.resume_tape = resume
     t.entry = (_rng_state(), _autocast_state(), grad,
@@ -407,6 +409,18 @@ def enter(module: Any, frame: Any) -> int:
         return outermost.OUTERMOST_KEEP_HOOKS
     t.eager = False
     return outermost.OUTERMOST
+
+
+def _new_batch(t: _Thread, module: Any, grad: bool) -> bool:
+    """Whether this call of a module the window has called already starts a new batch, so that the window is
+    read first. Without grad or in eval mode it does: a loop of evaluation or inference forwards, which never
+    reaches a step. A train-mode call with grad before any backward() is one more of the same step's calls:
+    an RNN cell unrolled over time, a siamese or triplet network, a GAN's discriminator on real and fake
+    data, a gradient penalty. Reading there would cost a device sync per call, and the replay would lose
+    the step's earlier calls that its loss depends on. A train-mode loop that never calls backward() is
+    read every REPEATS calls of a module, so that the batches the window holds stay few."""
+    repeats = t.calls.get(id(module), 0)
+    return repeats > 0 and (not (grad and module.training) or repeats >= REPEATS)
 
 
 def nested(module: Any) -> None:
@@ -457,6 +471,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if index >= 0:
         call.index = index
         window.append(call)
+    key = id(module)
+    t.calls[key] = t.calls.get(key, 0) + 1
     pending = t.pending
     for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
         if training and o.requires_grad:
@@ -466,7 +482,6 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
     known = roots(g)
-    key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
     if g.options.trace != "off" and (training or t.resume_tape):
@@ -1043,6 +1058,7 @@ def _clear_window() -> None:
     t.resume_tape = False
     t.window = []
     t.produced = {}
+    t.calls = {}
     t.losses = []
     t.backward_since_read = False
     t.scaled = {}
