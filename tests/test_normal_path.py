@@ -388,3 +388,48 @@ def test_a_nan_at_an_early_time_step_is_named_at_the_step_with_the_calls_before_
     err = info.value
     assert err.sink == "loss" and err.op == "torch.log"
     assert err.origin[-1].line.strip().startswith("h = self.cell(")
+
+
+class TokenLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_a_preference_step_with_a_frozen_reference_adds_one_read_and_no_pass_over_the_logits(monkeypatch):
+    """DPO's shape: the policy and a frozen reference (no_grad), each called on the chosen and the rejected
+    answers. The reference's second call is part of the step: reading there would sync mid-step and take a
+    pass over the policy's logits, which the loss covers."""
+    monkeypatch.setattr(_sync, "HOST_READS", False)  # the path a device takes: each read is a sync
+
+    def logp(logits, ids):
+        return torch.gather(logits.log_softmax(-1), 2, ids.unsqueeze(-1)).squeeze(-1).sum(-1)
+
+    def step(policy, ref, opt, chosen, rejected):
+        pc, pr = logp(policy(chosen), chosen), logp(policy(rejected), rejected)
+        with torch.no_grad():
+            rc, rr = logp(ref(chosen), chosen), logp(ref(rejected), rejected)
+        loss = -torch.nn.functional.logsigmoid(0.1 * ((pc - rc) - (pr - rr))).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    chosen, rejected = torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12))
+    counts = []
+    for installed in (False, True):
+        if installed:
+            ampguard.install()
+        policy, ref = TokenLM(), TokenLM().eval().requires_grad_(False)
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        norms = []
+        monkeypatch.setattr(sinks, "_norms", lambda ts, seen=norms, real=sinks._norms: seen.append(len(ts)) or real(ts))
+        with CountSyncs() as mode:
+            step(policy, ref, opt, chosen, rejected)
+        counts.append(mode.syncs)
+    assert counts[1] - counts[0] == 1
+    assert norms == [3]  # the step's one foreach norm, over the policy's three gradients: none over logits

@@ -158,6 +158,7 @@ class _Thread:
         self.window: list = []  # Calls and TapeOps since the last read, in order
         self.produced: dict[int, Ref] = {}  # id(tensor) -> the Ref of a window output
         self.calls: dict[int, int] = {}  # id(module) -> its outermost calls in the window
+        self.stepping = False  # the window holds a train-mode call with grad: a step is under way (_new_batch)
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
@@ -413,14 +414,20 @@ def enter(module: Any, frame: Any) -> int:
 
 def _new_batch(t: _Thread, module: Any, grad: bool) -> bool:
     """Whether this call of a module the window has called already starts a new batch, so that the window is
-    read first. Without grad or in eval mode it does: a loop of evaluation or inference forwards, which never
-    reaches a step. A train-mode call with grad before any backward() is one more of the same step's calls:
-    an RNN cell unrolled over time, a siamese or triplet network, a GAN's discriminator on real and fake
-    data, a gradient penalty. Reading there would cost a device sync per call, and the replay would lose
-    the step's earlier calls that its loss depends on. A train-mode loop that never calls backward() is
-    read every REPEATS calls of a module, so that the batches the window holds stay few."""
+    read first: in a loop of evaluation or inference forwards, which never reaches a step, it does.
+
+    Before backward(), a train-mode call with grad is one more of the same step's calls: an RNN cell unrolled
+    over time, a siamese or triplet network, a GAN's critic on real, fake and interpolated data. So is a call
+    without grad while such a call is in the window: a reference model or a teacher, called per input of the
+    step. Reading there would cost a device sync per call, and the replay would lose the step's earlier calls
+    that its loss depends on. A train-mode loop that never calls backward() is read every REPEATS calls of a
+    module, so that the batches the window holds stay few."""
     repeats = t.calls.get(id(module), 0)
-    return repeats > 0 and (not (grad and module.training) or repeats >= REPEATS)
+    if not repeats:
+        return False
+    if repeats >= REPEATS:
+        return True
+    return not (module.training if grad else t.stepping)
 
 
 def nested(module: Any) -> None:
@@ -473,6 +480,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         window.append(call)
     key = id(module)
     t.calls[key] = t.calls.get(key, 0) + 1
+    if training and module.training:
+        t.stepping = True
     pending = t.pending
     for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
         if training and o.requires_grad:
@@ -1059,6 +1068,7 @@ def _clear_window() -> None:
     t.window = []
     t.produced = {}
     t.calls = {}
+    t.stepping = False
     t.losses = []
     t.backward_since_read = False
     t.scaled = {}
