@@ -575,3 +575,41 @@ def test_a_gradient_penalty_over_three_critic_calls_is_replayed_whole_and_names_
     assert err.sink == "gradient of parameter '0.weight'" and err.op == "torch.sqrt"
     assert err.origin[-1].lineno == line_of(wgan_gp_critic_step, "GP LINE")
     assert "did not reproduce" not in str(err)
+
+
+def test_torch_func_ensembles_and_per_sample_gradients_run_as_without_ampguard():
+    """torch.func's own tutorials: a model ensemble under vmap (with and without grad) and per-sample gradients.
+    Module calls inside a transform see batched tensors, whose statuses cannot be read outside it."""
+    import copy
+
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)) for _ in range(4)]
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(5, 8)
+
+    def ensemble(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    def per_sample_loss(p, xi):
+        return functional_call(models[0], p, (xi.unsqueeze(0),)).pow(2).sum()
+
+    def run():
+        out = vmap(ensemble, in_dims=(0, 0, None))(params, buffers, x)
+        with torch.no_grad():
+            evaluated = vmap(ensemble, in_dims=(0, 0, None))(params, buffers, x)
+        detached = {k: v.detach() for k, v in models[0].named_parameters()}
+        grads = vmap(grad(per_sample_loss), in_dims=(None, 0))(detached, x)
+        out.sum().backward()
+        return out.tolist(), evaluated.tolist(), {k: v.tolist() for k, v in grads.items()}, params["0.weight"].grad
+
+    plain = run()
+    for p in params.values():
+        p.grad = None
+    g = ampguard.install()
+    guarded = run()
+    assert guarded[:3] == plain[:3] and torch.equal(guarded[3], plain[3])
+    ampguard.uninstall()  # reads what is pending: nothing batched is left to read
+    assert "nonfinite" not in g._disabled

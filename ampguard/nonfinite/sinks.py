@@ -58,6 +58,7 @@ _torch: Any = None  # bound when the hooks switch on; every path below runs afte
 _Tensor: Any = None
 _failure: Any = None  # the failure path (ampguard.nonfinite.failure), bound by the package: no lazy import
 _is_compiling: Any = None
+_transformed: Any = None  # whether a torch.func transform (vmap, grad, jacrev) is running: its tensors are wrapped
 _graph_task_id: Any = None
 _any_autocast: Any = None
 _SKIP_NAMES = frozenset({
@@ -379,8 +380,10 @@ def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    if _is_compiling() or t.replaying:
-        return outermost.NOT_OUTERMOST  # inside a compiled graph, or a replay
+    if _is_compiling() or t.replaying or _transformed():
+        # inside a compiled graph, a replay, or a torch.func transform (an ensemble under vmap, per-sample
+        # gradients): its tensors are batched or traced, and a status of them cannot be read outside it
+        return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
     if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
         # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
@@ -531,7 +534,7 @@ def _make_tape() -> Any:
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)
             t = _here.state
-            if not t.taping or t.replaying:
+            if not t.taping or t.replaying or _transformed():
                 return out
             skip = skipped.get(func)
             if skip is None:
