@@ -210,6 +210,30 @@ def test_a_clip_before_the_latest_backward_is_not_used():
         opt.step()
 
 
+def test_a_loop_that_skips_a_batch_on_clips_own_nonfinite_error_goes_on(read_path):
+    """clip_grad_norm_(error_if_nonfinite=True) raised, and the loop caught it and skipped the batch: the user's
+    exception wins, as when backward() raises. The next batch is not blamed for the skipped one."""
+    g = ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    skipped = []
+    for i in range(4):
+        x = torch.randn(4, 8)
+        if i == 1:
+            x[0, 0] = float("nan")  # a corrupt batch
+        model(x).sum().backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        except RuntimeError:
+            skipped.append(i)
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    assert skipped == [1] and g.stats.nonfinite_detected == 0
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 @pytest.mark.parametrize(("dtype", "value"), [(torch.float32, 3e38), (torch.float16, 60000.0),
                                               (torch.float32, 1e20), (torch.bfloat16, 3e38)])
 def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value, read_path):

@@ -705,7 +705,11 @@ def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     except Exception as exc:
         internal_failure(FEATURE, exc)
         return wrapped(*args, **kwargs)
-    total = wrapped(*args, **kwargs)
+    try:
+        total = wrapped(*args, **kwargs)
+    except BaseException:
+        drop(g)  # error_if_nonfinite=True: the user's exception wins, and a loop that catches it skips the batch
+        raise
     if usable and isinstance(total, _torch.Tensor) and total.numel() == 1:
         t.clip = (total.detach(), frozenset(id(p) for p in params), t.backwards)
     return total
