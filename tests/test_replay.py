@@ -432,3 +432,22 @@ def test_a_loss_code_op_is_replayed_under_the_autocast_it_ran_under():
     assert err.sink == "loss" and err.op == "aten._to_copy", str(err)  # the cast to float16
     assert "created by aten._to_copy inside Tensor.matmul" in str(err), str(err)
     assert err.origin[-1].lineno == line_of(loss_code, "AUTOCAST LINE"), str(err)
+
+
+def test_a_loss_check_read_at_the_next_forward_says_so_and_one_read_at_the_step_does_not():
+    ampguard.install()
+    model = Student()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(2, 8)).sum()  # NaN: log of negative values
+    loss.backward()
+    if not torch.isfinite(loss):  # the loop skips the step itself
+        opt.zero_grad()
+    with pytest.raises(ampguard.NonFiniteError) as late:
+        model(torch.randn(2, 8))  # the next batch's forward reads the skipped batch's check
+    assert "Read at this module call: no optimizer step came between that loss's backward() and this forward" \
+        in str(late.value)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(ampguard.NonFiniteError) as at_step:
+        opt.step()
+    assert late.value.op == at_step.value.op == "torch.log"
+    assert "Read at this module call" not in str(at_step.value)

@@ -18,6 +18,10 @@ log = logging.getLogger("ampguard")
 
 _CAUSES = ("  Common causes under AMP: log/div of 0 or of a value that saturated in fp16; an activation above "
            "65504 in fp16; a collapsing loss scale; Adam's eps rounding to 0 in fp16.")
+_LATE = ("  Read at this module call: no optimizer step came between that loss's backward() and this forward "
+         "(gradient accumulation, or a loop that skipped the step), so its check was read here, and the origin above "
+         "is the previous batch's. If your loop skips non-finite batches itself, nonfinite='skip' does that for you: "
+         "ampguard skips the step and the run goes on.")
 _NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and grad mode, {what} stayed finite: the "
                    "value did not reproduce. Causes: a nondeterministic kernel, state that the first call changed "
                    "(a cache, a counter, an input updated in place), or a transient hardware fault.")
@@ -42,6 +46,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         log.error("ampguard: the replay of a non-finite %s failed", p.sink, exc_info=exc)
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
+    if T.late and p.call is None and p.params is None:  # a loss whose backward() no optimizer step followed
+        error.args = (f"{error.args[0]}\n{_LATE}", *error.args[1:])
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)

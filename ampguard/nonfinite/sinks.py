@@ -163,6 +163,7 @@ class _Thread:
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
+        self.late = False  # the read in progress is at a module call, not at a step (a failure says so)
         self.backwards = 0  # backward() calls in this thread: a clip before the latest one is stale
         self.clip: tuple | None = None  # (total norm, ids of the clipped parameters, backwards at the clip)
         self.tape: Any = None  # the loss-code recorder, while it is on torch's mode stack
@@ -399,7 +400,11 @@ def enter(module: Any, frame: Any) -> int:
         t.last_shown = shown
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
-        check()  # the previous call's checks (or its window, if none is left): no step consumed them
+        t.late = True
+        try:
+            check()  # the previous call's checks (or its window, if none is left): no step consumed them
+        finally:
+            t.late = False
     t.resume_tape = resume
     t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
