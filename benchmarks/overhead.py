@@ -190,8 +190,9 @@ def conv_net(width=384, batch=8, size=32):
     return step
 
 
-def lightning_fit():
-    """Trainer.fit of one Linear, batch 2: the time per step between Lightning's batch hooks."""
+def lightning_fit(log=False):
+    """Trainer.fit of one Linear, batch 2: the time per step between Lightning's batch hooks. With ``log``,
+    training_step logs the loss (to the progress bar) and the learning rate, as most real ones do."""
     import logging
 
     import lightning.pytorch as pl
@@ -206,7 +207,11 @@ def lightning_fit():
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            if log:
+                self.log("train_loss", loss, prog_bar=True)
+                self.log("lr", 0.01)
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -368,13 +373,13 @@ def memory(quick):
     print(f"  guard {guarded:8.0f} MiB {guarded / plain:7.3f}x")
 
 
-WORKLOADS = ("tiny", "lightning", "mlp", "conv", "encoder", "gpt2", "scaling", "memory", "gpt2-small")
+WORKLOADS = ("tiny", "lightning", "lightning-log", "mlp", "conv", "encoder", "gpt2", "scaling", "memory", "gpt2-small")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="tiny,lightning,mlp,conv,encoder,gpt2",
+    parser.add_argument("--only", default="tiny,lightning,lightning-log,mlp,conv,encoder,gpt2",
                         help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
@@ -398,6 +403,9 @@ def main() -> None:
         show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)",
              measure_fit(lightning_fit(), small, reps,
                          12 if q else 120))
+    if "lightning-log" in only:
+        show("Lightning Trainer.fit, one Linear, batch 2, training_step logs the loss and the LR (self.log)",
+             measure_fit(lightning_fit(log=True), small, reps, 12 if q else 120))
     if "mlp" in only:
         show("wide MLP, 3 x Linear(2048, 2048), batch 8, SGD momentum (12.6M parameters)",
              measure(wide_mlp(64) if q else wide_mlp(), every, reps, 2 if q else 10))

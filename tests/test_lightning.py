@@ -389,9 +389,78 @@ def test_the_loss_code_record_ends_where_training_step_returns(L):
 
     class Probe(L.Callback):
         def on_before_backward(self, trainer, pl_module, loss):
-            seen.append((nonfinite.T.tape is None, [type(e).__name__ for e in nonfinite.T.window]))
+            seen.append((nonfinite.T.tape is None, [getattr(e, "func", None) for e in nonfinite.T.window]))
 
     ampguard.install()
     fit(L, module_class(L)(), callbacks=[Probe()])
     assert len(seen) == BATCHES and all(ended for ended, _ in seen)
-    assert seen[0][1] == ["Call", "TapeOp", "TapeOp"]  # the layer, then pow and mean: nothing of Lightning's
+    # the layer, then pow and mean; of Lightning's, only the division by accumulate_grad_batches that makes the
+    # loss backward() gets
+    assert seen[0][1] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.div]
+
+
+def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_resumes_after_it(L):
+    from ampguard import nonfinite
+
+    seen = []
+
+    class Probe(L.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            seen.append([getattr(e, "func", None) for e in nonfinite.T.window])
+
+    class Logged(L.LightningModule):
+        def __init__(self, poison=False):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.poison = poison
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("train_loss", loss, prog_bar=True)  # Lightning copies, converts and moves each value
+            self.log_dict({"lr": 0.1, "twice": loss * 2})
+            if self.poison:
+                loss = loss + torch.log(loss - loss - 1)  # NaN in the loss code after the logging  # AFTER LOG
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ampguard.install()
+    fit(L, Logged(), callbacks=[Probe()])
+    assert len(seen) == BATCHES
+    # the layer's call, its pow and mean, the user's `loss * 2`, and Lightning's division of the loss: nothing of
+    # Lightning's logging
+    assert seen[0] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.Tensor.mul, torch.div]
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fit(L, Logged(poison=True))
+    assert info.value.op == "torch.log"
+    assert info.value.origin[-1].line.endswith("# AFTER LOG")
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss(L, accumulate):
+    """Lightning divides training_step's loss by accumulate_grad_batches (by 1 too) before backward(): the loss
+    the sink sees is that quotient, made after training_step returned."""
+
+    class Poisoned(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            out = self.layer(batch[0])
+            loss = out.pow(2).mean()
+            if batch_idx == 1:
+                loss = loss + torch.log(out - out - 1).mean()  # POISON
+            return {"loss": loss, "size": len(batch[0])}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fit(L, Poisoned(), accumulate_grad_batches=accumulate)
+    assert info.value.sink == "loss" and info.value.op == "torch.log"
+    assert info.value.origin[-1].line.endswith("# POISON")

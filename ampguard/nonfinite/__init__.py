@@ -119,3 +119,10 @@ for _module in ("torch.nn.utils.clip_grad", "torch.nn.utils"):
 for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
                         sinks._training_step, "end the loss-code record where training_step returns", feature=FEATURE))
+    REGISTRY.add(Target(_namespace, f"{_namespace}.loops.optimization.automatic:ClosureResult",
+                        "from_training_step_output", sinks._closure_result,
+                        "the loss backward() gets is training_step's divided by accumulate_grad_batches: record it",
+                        feature=FEATURE))
+    for _method in ("log", "log_dict"):
+        REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", _method, sinks._lightning_log,
+                            "self.log() is not loss code: its torch calls skip the loss-code record", feature=FEATURE))

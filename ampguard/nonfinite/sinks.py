@@ -39,6 +39,7 @@ import logging
 import math
 import sys
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from .. import _guard, _sync, schedulers
@@ -669,6 +670,44 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     if t.tape is not None and _guard.current(FEATURE) is not None and not t.eager:
         end_tape(t)
     return result
+
+
+def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Lightning's automatic optimization divides training_step's loss by accumulate_grad_batches (by 1 too)
+    after training_step returned, and backward() gets the quotient. Recorded as the loss code's last op, so
+    that the loss sink knows where its loss came from and a replay computes it."""
+    result = wrapped(*args, **kwargs)
+    t = _here.state
+    if not t.window or t.replaying or _guard.current(FEATURE) is None:
+        return result
+    try:
+        output = args[0] if args else kwargs.get("training_step_output")
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        quotient = getattr(result, "closure_loss", None)
+        if isinstance(loss, _Tensor) and isinstance(quotient, _Tensor) and quotient is not loss:
+            made = t.produced.get(id(loss))
+            if made is not None and made.ref() is loss:
+                normalize = args[1] if len(args) > 1 else kwargs.get("normalize", 1)
+                _record(t, _torch.div, (loss, normalize), {}, ((quotient, 0),), sys._getframe(1))
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return result
+
+
+def _lightning_log(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Lightning: ``self.log()``/``log_dict()`` inside training_step is not loss code. Its own torch calls (a
+    copy, a conversion, a move per value: some five a value) are neither recorded nor sent through the
+    recorder at all: it steps off torch's mode stack while they run."""
+    t = _here.state
+    if not t.taping or t.eager:
+        return wrapped(*args, **kwargs)
+    end_tape(t)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        g = _guard.current(FEATURE)
+        if g is not None and not t.replaying:
+            start_tape(g)  # (back on the stack, or recording again where it could not leave it)
 
 
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
