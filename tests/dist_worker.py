@@ -123,6 +123,34 @@ def ddp_nan_origin(rank):
         return {"op": err.op, "module": err.module, "kind": err.kind, "sink": err.sink, "ops": ops}
 
 
+def ddp_unused_nan_origin(rank):
+    """DDP looking for unused parameters hands its module's outputs back through an identity Function: the loss
+    code sees new tensors, and the origin inside the module is still found, also in a second micro-batch."""
+    import ampguard
+
+    class Sometimes(Block):
+        poisoned = False
+
+        def forward(self, x):
+            return super().forward(x) if self.poisoned else self.fc(x)
+
+    ampguard.install()
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), Sometimes())
+    inner.unused = torch.nn.Linear(4, 4)
+    model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.no_sync():
+        model(torch.ones(2, 4)).sum().backward()  # micro-batch 1: finite (its output is not kept)
+    inner[1].poisoned = True
+    try:
+        model(torch.ones(2, 4)).sum().backward()  # micro-batch 2: NaN in Block's sqrt
+        opt.step()
+        return {"error": None}
+    except ampguard.NonFiniteError as err:
+        return {"op": err.op, "module": err.module, "kind": err.kind, "sink": err.sink}
+
+
 def one_rank_unguarded(rank):
     """Rank 1 runs without ampguard (a launcher that did not pass AMPGUARD=1 on): rank 0 must not wait forever
     in an all-reduce rank 1 never makes; it says so once and decides alone."""
@@ -183,6 +211,7 @@ def skip_together(rank, ddp):
 
 
 SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
+             "ddp_unused_nan_origin": ddp_unused_nan_origin,
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False)}
 

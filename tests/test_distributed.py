@@ -65,6 +65,12 @@ def test_nan_inside_a_ddp_model_names_the_op_and_the_module_on_every_rank(python
     assert r0["ops"][0] == "Sequential"  # the wrapped module is the call replayed, never DDP
 
 
+def test_nan_inside_a_ddp_model_that_looks_for_unused_parameters_names_the_op(python):
+    r0, r1 = run_ranks(python, "ddp_unused_nan_origin")
+    assert r0 == r1
+    assert r0["op"] == "torch.sqrt" and r0["module"] == "1" and r0["sink"] == "loss"
+
+
 LIGHTNING_DDP = """
 import os, torch, lightning.pytorch as L
 from lightning.pytorch.plugins.precision import MixedPrecision

@@ -160,6 +160,8 @@ class _Thread:
         self.window: list = []  # Calls and TapeOps since the last read, in order
         self.produced: dict[int, Ref] = {}  # id(tensor) -> the Ref of a window output
         self.calls: dict[int, int] = {}  # id(module) -> its outermost calls in the window
+        self.passing = False  # a DDP forward that hands its outputs back through _DDPSink ran since backward()
+        self.through: dict[tuple[int, int], Ref] = {}  # (id(grad_fn), output_nr) of such outputs -> their Ref
         self.stepping = False  # the window holds a train-mode call with grad: a step is under way (_new_batch)
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
@@ -305,11 +307,27 @@ def _weak_one(value: Any, data: bool, produced: dict) -> Any:
             return made  # the window made it: the same Ref for every use (Refs are never changed)
         if data and value.grad_fn is None and not value.requires_grad:
             return value
-        return Ref(weakref.ref(value), -1, None)
+        return _passed_through(value, produced) or Ref(weakref.ref(value), -1, None)
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         return weak(value, data)
     return value
+
+
+def _passed_through(value: Any, produced: dict) -> Ref | None:
+    """DDP with ``find_unused_parameters=True`` hands its module's outputs back through an identity autograd
+    Function (``_DDPSink``): such a tensor is known as the window output it passed (whose tensor DDP drops; its
+    autograd node, which the new tensor's node keeps, identifies it), so that the replay uses that output's
+    replayed value. Only tensors with history the window did not make get here: no cost on the normal path."""
+    node = value.grad_fn
+    if node is None or type(node).__name__ != "_DDPSinkBackward":
+        return None
+    inner, nr = node.next_functions[value.output_nr]
+    made = _here.state.through.get((id(inner), nr)) if inner is not None else None
+    if made is None:
+        return None
+    ref = produced[id(value)] = Ref(weakref.ref(value), made.event, made.key)
+    return ref
 
 
 # -- module kinds ----------------------------------------------------------------------------
@@ -387,9 +405,13 @@ def enter(module: Any, frame: Any) -> int:
         # gradients): its tensors are batched or traced, and a status of them cannot be read outside it
         return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
-    if g is None or _graph_task_id() != -1 or _in_worker() or kind(module) == "wrapper":
-        # a checkpoint's re-run in backward, a DataLoader worker, or DDP/FSDP/Lightning's wrapper,
-        # whose module is the outermost user call
+    if g is None or _graph_task_id() != -1 or _in_worker():
+        return outermost.NOT_OUTERMOST  # a checkpoint's re-run in backward, or a DataLoader worker
+    if kind(module) == "wrapper":
+        # DDP/FSDP/Lightning's wrapper, whose module is the outermost user call. DDP that looks for unused
+        # parameters hands that call's outputs back through an identity Function (see _passed_through).
+        if getattr(module, "find_unused_parameters", False) or getattr(module, "static_graph", False):
+            t.passing = True  # until the next backward()
         return outermost.NOT_OUTERMOST
     torch = _torch
     grad = torch.is_grad_enabled()
@@ -461,7 +483,9 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
         ref = weakref.ref(o)
         refs.append((ref, k))
         if index >= 0:
-            produced[id(o)] = Ref(ref, index, k)
+            made = produced[id(o)] = Ref(ref, index, k)
+            if t.passing and o.grad_fn is not None:  # DDP may hand it back as a new tensor (_passed_through)
+                t.through[(id(o.grad_fn), o.output_nr)] = made
     return refs
 
 
@@ -649,6 +673,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             if r.is_floating_point() and not scaled(r):
                 add_loss(g, r)
         t.backward_since_read = True
+        t.passing = False
         t.backwards += 1
         if g.options.trace == "eager":
             check()
@@ -685,8 +710,8 @@ def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         loss = output.get("loss") if isinstance(output, Mapping) else output
         quotient = getattr(result, "closure_loss", None)
         if isinstance(loss, _Tensor) and isinstance(quotient, _Tensor) and quotient is not loss:
-            made = t.produced.get(id(loss))
-            if made is not None and made.ref() is loss:
+            made = _weak_one(loss, False, t.produced)
+            if type(made) is Ref and made.event >= 0:
                 normalize = args[1] if len(args) > 1 else kwargs.get("normalize", 1)
                 _record(t, _torch.div, (loss, normalize), {}, ((quotient, 0),), sys._getframe(1))
     except Exception as exc:
@@ -1119,6 +1144,7 @@ def _clear_window() -> None:
     t.window = []
     t.produced = {}
     t.calls = {}
+    t.through = {}  # (passing stays: a DDP forward's window is read at its own outermost call's entry)
     t.stepping = False
     t.losses = []
     t.backward_since_read = False
