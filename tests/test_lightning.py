@@ -394,9 +394,8 @@ def test_the_loss_code_record_ends_where_training_step_returns(L):
     ampguard.install()
     fit(L, module_class(L)(), callbacks=[Probe()])
     assert len(seen) == BATCHES and all(ended for ended, _ in seen)
-    # the layer, then pow and mean; of Lightning's, only the division by accumulate_grad_batches that makes the
-    # loss backward() gets
-    assert seen[0][1] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.div]
+    # the layer, then pow and mean: nothing of Lightning's (its division of the loss by 1 is the loss itself)
+    assert seen[0][1] == [None, torch.Tensor.pow, torch.Tensor.mean]
 
 
 def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_resumes_after_it(L):
@@ -429,9 +428,8 @@ def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_r
     ampguard.install()
     fit(L, Logged(), callbacks=[Probe()])
     assert len(seen) == BATCHES
-    # the layer's call, its pow and mean, the user's `loss * 2`, and Lightning's division of the loss: nothing of
-    # Lightning's logging
-    assert seen[0] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.Tensor.mul, torch.div]
+    # the layer's call, its pow and mean, and the user's `loss * 2`: nothing of Lightning's logging
+    assert seen[0] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.Tensor.mul]
     with pytest.raises(ampguard.NonFiniteError) as info:
         fit(L, Logged(poison=True))
     assert info.value.op == "torch.log"
@@ -442,6 +440,7 @@ def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_r
 def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss(L, accumulate):
     """Lightning divides training_step's loss by accumulate_grad_batches (by 1 too) before backward(): the loss
     the sink sees is that quotient, made after training_step returned."""
+    from ampguard import nonfinite
 
     class Poisoned(L.LightningModule):
         def __init__(self):
@@ -460,7 +459,14 @@ def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     ampguard.install()
+    divisions = []
+
+    class Probe(L.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            divisions.append(sum(getattr(e, "func", None) is torch.div for e in nonfinite.T.window))
+
     with pytest.raises(ampguard.NonFiniteError) as info:
-        fit(L, Poisoned(), accumulate_grad_batches=accumulate)
+        fit(L, Poisoned(), accumulate_grad_batches=accumulate, callbacks=[Probe()])
+    assert divisions[0] == (accumulate > 1)  # a division by 1 is the loss itself: nothing to record
     assert info.value.sink == "loss" and info.value.op == "torch.log"
     assert info.value.origin[-1].line.endswith("# POISON")

@@ -699,8 +699,9 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning's automatic optimization divides training_step's loss by accumulate_grad_batches (by 1 too)
-    after training_step returned, and backward() gets the quotient. Recorded as the loss code's last op, so
-    that the loss sink knows where its loss came from and a replay computes it."""
+    after training_step returned, and backward() gets the quotient. Recorded as the loss code's last op (or,
+    divided by 1, known as the loss itself), so that the loss sink knows where its loss came from and a replay
+    computes it."""
     result = wrapped(*args, **kwargs)
     t = _here.state
     if not t.window or t.replaying or _guard.current(FEATURE) is None:
@@ -713,7 +714,10 @@ def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             made = _weak_one(loss, False, t.produced)
             if type(made) is Ref and made.event >= 0:
                 normalize = args[1] if len(args) > 1 else kwargs.get("normalize", 1)
-                _record(t, _torch.div, (loss, normalize), {}, ((quotient, 0),), sys._getframe(1))
+                if normalize == 1:  # x / 1 is x, bit for bit: the quotient is known as the loss, with no record
+                    t.produced[id(quotient)] = Ref(weakref.ref(quotient), made.event, made.key)
+                else:
+                    _record(t, _torch.div, (loss, normalize), {}, ((quotient, 0),), sys._getframe(1))
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return result
