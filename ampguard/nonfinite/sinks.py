@@ -704,8 +704,11 @@ def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     computes it."""
     result = wrapped(*args, **kwargs)
     t = _here.state
-    if not t.window or t.replaying or _guard.current(FEATURE) is None:
+    if not t.window or t.replaying:
         return result
+    g = _guard.current(FEATURE)
+    if g is None or g.options.trace == "off":
+        return result  # (no loss code is recorded: the loss could not be known anyway)
     try:
         output = args[0] if args else kwargs.get("training_step_output")
         loss = output.get("loss") if isinstance(output, Mapping) else output
