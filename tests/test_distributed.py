@@ -132,3 +132,64 @@ def test_lightning_ddp_strategy_under_ampguard_env_reaches_both_ranks(python, tm
     assert proc.stderr.count("ampguard report (rank") == 2
     # the script destroyed its process group before exit, as PyTorch asks: each report still names its rank
     assert "ampguard report (rank 0 of 2)" in proc.stderr and "ampguard report (rank 1 of 2)" in proc.stderr
+
+
+LIGHTNING_STRATEGY_NAN = """
+import json, sys, warnings, torch, torch.distributed as dist, lightning.pytorch as L
+import ampguard
+from torch.utils.data import DataLoader, TensorDataset
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+        if "find_unused" in sys.argv[1]:
+            self.unused = torch.nn.Linear(4, 4)  # what that strategy is for
+        self.logged = 0
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch[0])
+        loss = out.pow(2).mean()
+        self.log("train_loss", loss)
+        self.logged += 1
+        if batch_idx == 1:
+            loss = loss + torch.log(out - out - 1).mean()  # POISON
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+warnings.filterwarnings("ignore")
+ampguard.install()
+model = Model()
+trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, strategy=sys.argv[1], logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+try:
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8))
+    result = {"error": None}
+except ampguard.NonFiniteError as err:
+    result = {"op": err.op, "line": err.origin[-1].line if err.origin else None, "logged": model.logged,
+              "replayed": "Found by replaying" in str(err)}
+if dist.is_initialized():
+    dist.destroy_process_group()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_find_unused_parameters_true"])
+def test_a_nan_in_training_step_under_a_lightning_ddp_strategy_is_replayed_through_training_step(
+        python, tmp_path, strategy):
+    """Lightning's strategies run training_step as the wrapped module's forward, for that one call: the replay
+    runs training_step (its self.log() logs nothing then), not the LightningModule's own forward."""
+    pytest.importorskip("lightning.pytorch")
+    script = tmp_path / "strategy_nan.py"
+    script.write_text(textwrap.dedent(LIGHTNING_STRATEGY_NAN))
+    proc = python(None, str(script), strategy, env={"MASTER_PORT": str(free_port())}, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["replayed"] and result["op"] == "torch.log" and result["line"].endswith("# POISON")
+    assert result["logged"] == 3  # training_step ran for two batches, and once more in the replay of the second

@@ -368,7 +368,7 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         session.site = (event.site[0], event.site[1]) if event.site else None
         try:
             with grad, _autocast(event.autocast), names, checker:
-                out = module.forward(*args, **kwargs)
+                out = getattr(module, event.method or "forward")(*args, **kwargs)  # (training_step under a strategy)
         finally:
             T.replay_root = None
             session.site = None

@@ -142,6 +142,9 @@ def _capture(origin: Origin) -> dict:
                     args = replay._map(session, event.args, True, "an input of the loss code")
                     kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
                     return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
+                if event.method is not None:
+                    raise NotBundled(f"the call is {type(root).__name__}.{event.method}, which a Lightning strategy "
+                                     "ran through its wrapper: a bundle holds a module's forward")
                 args, kwargs = replay._map_call(session, event, type(root).__name__)
             except replay.Freed as freed:
                 raise NotBundled(str(freed)) from None

@@ -85,14 +85,14 @@ class Ref:
 class Call:
     """One outermost module call, as a replay needs it."""
 
-    __slots__ = ("args", "autocast", "grad", "index", "inference", "kwargs", "module", "outputs", "rng", "site",
-                 "steps")
+    __slots__ = ("args", "autocast", "grad", "index", "inference", "kwargs", "method", "module", "outputs", "rng",
+                 "site", "steps")
 
     def __init__(self, module: Any, args: Any, kwargs: Any, entry: tuple, outputs: list) -> None:
         self.module = module
         self.args = args  # weak: see weak()
         self.kwargs = kwargs
-        self.rng, self.autocast, self.grad, self.inference, self.site, self.steps = entry
+        self.rng, self.autocast, self.grad, self.inference, self.site, self.steps, self.method = entry
         self.outputs = outputs  # [(weakref, position)] of the floating output tensors
         self.index = -1  # its place in the window
 
@@ -395,6 +395,20 @@ def _rng_state() -> tuple:
     return torch.default_generator.get_state(), cuda
 
 
+def redirected(module: Any) -> str | None:
+    """The method a call of ``module`` runs instead of ``forward``, if any. Lightning's strategies (DDP, FSDP,
+    DeepSpeed) call ``training_step`` through their wrapper's forward: for that one call they set the module's
+    ``forward`` to a function that restores it and runs the method. A replay must run that method."""
+    fn = vars(module).get("forward")
+    if fn is None:
+        return None  # (every other module: one dict lookup)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_name != "wrapped_forward" or "method_name" not in code.co_freevars:
+        return None
+    name = fn.__closure__[code.co_freevars.index("method_name")].cell_contents
+    return name if isinstance(name, str) else None
+
+
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
 def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
@@ -430,7 +444,7 @@ def enter(module: Any, frame: Any) -> int:
             t.late = False
     t.resume_tape = resume
     t.entry = (_rng_state(), _autocast_state(), grad,
-               torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps)
+               torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps, redirected(module))
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
@@ -731,6 +745,8 @@ def _lightning_log(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     copy, a conversion, a move per value: some five a value) are neither recorded nor sent through the
     recorder at all: it steps off torch's mode stack while they run."""
     t = _here.state
+    if t.replaying:
+        return None  # a replay of training_step logs nothing (self.log returns None)
     if not t.taping or t.eager:
         return wrapped(*args, **kwargs)
     end_tape(t)
