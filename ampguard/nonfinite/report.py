@@ -73,9 +73,7 @@ def describe_tensor(tensor: Any) -> str:
         t = tensor.detach()
         sparse, dtype = t.layout is not torch.strided, t.dtype
         shape, layout = tuple(t.shape), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
-        what = "stored element" if sparse else "element"
-        if t.is_complex():
-            what = "real and imaginary part" if not sparse else "stored real and imaginary part"
+        what = ("stored " if sparse else "") + ("real and imaginary part" if t.is_complex() else "element")
         t = sinks.stored(t)  # (a sparse tensor's values: its implicit zeros are finite; a complex one's parts)
         nan = int(torch.isnan(t).sum())
         pos = int(torch.isposinf(t).sum())
