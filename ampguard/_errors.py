@@ -51,6 +51,11 @@ class NonFiniteError(AmpGuardError, FloatingPointError):
         self.chain = chain or []
         self.repro: str | None = None  # the reproducer bundle written for it (repro_dir), for python -m ampguard repro
 
+    def add_line(self, line: str) -> None:
+        """Append ``line`` to the message: what the failure path learns once the error is built (where it was
+        read, where its reproducer went)."""
+        self.args = (f"{self.args[0]}\n{line}", *self.args[1:])
+
     def __reduce__(self) -> tuple:
         return _rebuild, (type(self), self.args, self.__dict__)
 

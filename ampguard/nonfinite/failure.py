@@ -47,7 +47,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
     if T.late and p.call is None and p.params is None:  # a loss whose backward() no optimizer step followed
-        error.args = (f"{error.args[0]}\n{_LATE}", *error.args[1:])
+        error.add_line(_LATE)
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)

@@ -65,7 +65,7 @@ def attach(g: _guard.Guard, error: NonFiniteError, window: list | None = None) -
     except Exception as exc:  # the error is the news; a failed bundle must not hide it
         log.error("ampguard: writing a reproducer failed", exc_info=exc)
         line = f"  no reproducer written: {type(exc).__name__}: {exc} (see the 'ampguard' log)"
-    error.args = (f"{error.args[0]}\n{line}", *error.args[1:])
+    error.add_line(line)
 
 
 def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
