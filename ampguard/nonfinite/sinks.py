@@ -324,9 +324,13 @@ def _passed_through(value: Any, produced: dict) -> Ref | None:
         return None
     inner, nr = node.next_functions[value.output_nr]
     made = _here.state.through.get((id(inner), nr)) if inner is not None else None
-    if made is None:
-        return None
-    ref = produced[id(value)] = Ref(weakref.ref(value), made.event, made.key)
+    return _known_as(produced, value, made) if made is not None else None
+
+
+def _known_as(produced: dict, tensor: Any, made: Ref) -> Ref:
+    """``tensor`` holds what the window output ``made`` holds (DDP's pass-through, Lightning's loss / 1): from
+    now on an argument naming it is that output, which a replay re-creates."""
+    ref = produced[id(tensor)] = Ref(weakref.ref(tensor), made.event, made.key)
     return ref
 
 
@@ -732,7 +736,7 @@ def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             if type(made) is Ref and made.event >= 0:
                 normalize = args[1] if len(args) > 1 else kwargs.get("normalize", 1)
                 if normalize == 1:  # x / 1 is x, bit for bit: the quotient is known as the loss, with no record
-                    t.produced[id(quotient)] = Ref(weakref.ref(quotient), made.event, made.key)
+                    _known_as(t.produced, quotient, made)
                 else:
                     _record(t, _torch.div, (loss, normalize), {}, ((quotient, 0),), sys._getframe(1))
     except Exception as exc:
