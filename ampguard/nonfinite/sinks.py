@@ -758,7 +758,7 @@ def _lightning_log(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         return wrapped(*args, **kwargs)
     finally:
         g = _guard.current(FEATURE)
-        if g is not None and not t.replaying:
+        if g is not None:
             start_tape(g)  # (back on the stack, or recording again where it could not leave it)
 
 
