@@ -1,4 +1,5 @@
-"""Small, real training loops shared by the tests: GradScaler on CPU, overflow from a backward hook."""
+"""Small, real training loops and models shared by the tests: GradScaler on CPU, overflow from a backward hook,
+counting the host reads ampguard adds."""
 
 from __future__ import annotations
 
@@ -90,3 +91,32 @@ class CountSyncs(torch.overrides.TorchFunctionMode):
         if func in (torch.Tensor.tolist, torch.Tensor.item):
             self.syncs += 1
         return func(*args, **(kwargs or {}))
+
+
+def added_syncs(make, **options) -> int:
+    """The host reads ampguard adds to one step: ``make()`` builds a model and returns its step, run once plain
+    and once under ``ampguard.install(**options)``."""
+    import ampguard
+
+    counts = []
+    for installed in (False, True):
+        if installed:
+            ampguard.install(**options)
+        step = make()
+        with CountSyncs() as mode:
+            step()
+        counts.append(mode.syncs)
+    return counts[1] - counts[0]
+
+
+class TokenLM(torch.nn.Module):
+    """A language model's shape, as small as it gets: token embedding, then logits over the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))

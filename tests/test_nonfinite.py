@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow
+from loops import Overflow, TokenLM
 
 import ampguard
 from ampguard import nonfinite
@@ -452,24 +452,13 @@ def test_a_nan_in_a_sparse_gradient_is_named_with_its_backward_op():
     assert torch.equal(model.items.weight, before)  # read before the update
 
 
-class TinyLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(50, 16)
-        self.out = torch.nn.Linear(16, 50)
-
-    def forward(self, ids):
-        return self.out(self.emb(ids))
-
-
 def lm_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)  # CE LINE
 
 
 def test_a_batch_of_padding_only_is_named_at_the_users_cross_entropy_line_not_inside_torch():
     ampguard.install()
-    model = TinyLM()
+    model = TokenLM()
     opt = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 50, (4, 8))
     lm_loss(model(ids), ids).backward()

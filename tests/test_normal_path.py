@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from loops import CountSyncs
+from loops import TokenLM, added_syncs
 
 import ampguard
 from ampguard import _sync, nonfinite
@@ -389,17 +389,13 @@ class Unrolled(torch.nn.Module):
 def test_a_cell_unrolled_over_time_adds_one_read_a_step_not_one_a_time_step(monkeypatch):
     monkeypatch.setattr(_sync, "HOST_READS", False)  # the path a device takes: each read is a sync
     x = torch.randn(20, 4, 8)
-    counts = []
-    for installed in (False, True):
-        if installed:
-            ampguard.install()
+
+    def make():
         model = Unrolled()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with CountSyncs() as mode:
-            model.run(x).backward()
-            opt.step()
-        counts.append(mode.syncs)
-    assert counts[1] - counts[0] == 1  # the step's read; no read at the 19 repeated calls of the cell
+        return lambda: (model.run(x).backward(), opt.step())
+
+    assert added_syncs(make) == 1  # the step's read; no read at the 19 repeated calls of the cell
 
 
 def test_a_nan_at_an_early_time_step_is_named_at_the_step_with_the_calls_before_it():
@@ -412,17 +408,6 @@ def test_a_nan_at_an_early_time_step_is_named_at_the_step_with_the_calls_before_
     err = info.value
     assert err.sink == "loss" and err.op == "torch.log"
     assert err.origin[-1].line.strip().startswith("h = self.cell(")
-
-
-class TokenLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(50, 16)
-        self.out = torch.nn.Linear(16, 50)
-
-    def forward(self, ids):
-        return self.out(self.emb(ids))
 
 
 def test_a_preference_step_with_a_frozen_reference_adds_one_read_and_no_pass_over_the_logits(monkeypatch):
@@ -444,16 +429,13 @@ def test_a_preference_step_with_a_frozen_reference_adds_one_read_and_no_pass_ove
         opt.step()
 
     chosen, rejected = torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12))
-    counts = []
-    for installed in (False, True):
-        if installed:
-            ampguard.install()
+    norms = []
+    monkeypatch.setattr(sinks, "_norms", lambda ts, real=sinks._norms: norms.append(len(ts)) or real(ts))
+
+    def make():
         policy, ref = TokenLM(), TokenLM().eval().requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        norms = []
-        monkeypatch.setattr(sinks, "_norms", lambda ts, seen=norms, real=sinks._norms: seen.append(len(ts)) or real(ts))
-        with CountSyncs() as mode:
-            step(policy, ref, opt, chosen, rejected)
-        counts.append(mode.syncs)
-    assert counts[1] - counts[0] == 1
+        return lambda: step(policy, ref, opt, chosen, rejected)
+
+    assert added_syncs(make) == 1
     assert norms == [3]  # the step's one foreach norm, over the policy's three gradients: none over logits
