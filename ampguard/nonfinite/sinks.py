@@ -161,7 +161,9 @@ class _Thread:
         self.produced: dict[int, Ref] = {}  # id(tensor) -> the Ref of a window output
         self.calls: dict[int, int] = {}  # id(module) -> its outermost calls in the window
         self.passing = False  # a DDP forward that hands its outputs back through _DDPSink ran since backward()
-        self.through: dict[tuple[int, int], Ref] = {}  # (id(grad_fn), output_nr) of such outputs -> their Ref
+        # (grad_fn's sequence number, output_nr) of such outputs -> their Ref. Not id(grad_fn): a node's Python
+        # object may die and be made anew at the next access (torch 2.11 does), so its id is no identity.
+        self.through: dict[tuple[int, int], Ref] = {}
         self.stepping = False  # the window holds a train-mode call with grad: a step is under way (_new_batch)
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
@@ -323,7 +325,7 @@ def _passed_through(value: Any, produced: dict) -> Ref | None:
     if node is None or type(node).__name__ != "_DDPSinkBackward":
         return None
     inner, nr = node.next_functions[value.output_nr]
-    made = _here.state.through.get((id(inner), nr)) if inner is not None else None
+    made = _here.state.through.get((inner._sequence_nr(), nr)) if inner is not None else None
     return _known_as(produced, value, made) if made is not None else None
 
 
@@ -503,7 +505,7 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
         if index >= 0:
             made = produced[id(o)] = Ref(ref, index, k)
             if t.passing and o.grad_fn is not None:  # DDP may hand it back as a new tensor (_passed_through)
-                t.through[(id(o.grad_fn), o.output_nr)] = made
+                t.through[(o.grad_fn._sequence_nr(), o.output_nr)] = made
     return refs
 
 
