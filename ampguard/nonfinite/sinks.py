@@ -325,8 +325,15 @@ def _passed_through(value: Any, produced: dict) -> Ref | None:
     if node is None or type(node).__name__ != "_DDPSinkBackward":
         return None
     inner, nr = node.next_functions[value.output_nr]
-    made = _here.state.through.get((inner._sequence_nr(), nr)) if inner is not None else None
+    made = _here.state.through.get((_node_key(inner), nr)) if inner is not None else None
     return _known_as(produced, value, made) if made is not None else None
+
+
+def _node_key(node: Any) -> int:
+    """An autograd node's identity while its graph lives: its sequence number (per thread, as the window is).
+    id() is none: the node's Python object may be dropped and made anew at the next access (torch 2.11)."""
+    number = getattr(node, "_sequence_nr", None)
+    return number() if number is not None else id(node)  # (right only where torch keeps the object alive)
 
 
 def _known_as(produced: dict, tensor: Any, made: Ref) -> Ref:
@@ -505,7 +512,7 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
         if index >= 0:
             made = produced[id(o)] = Ref(ref, index, k)
             if t.passing and o.grad_fn is not None:  # DDP may hand it back as a new tensor (_passed_through)
-                t.through[(o.grad_fn._sequence_nr(), o.output_nr)] = made
+                t.through[(_node_key(o.grad_fn), o.output_nr)] = made
     return refs
 
 
