@@ -342,30 +342,35 @@ def scaling(reps, quick):
 # -- memory -----------------------------------------------------------------------------------------
 _MEMORY_STEP = """
 import resource, sys, contextlib, torch, ampguard
+dev = sys.argv[4]
 torch.manual_seed(0)
 rows, vocab = int(sys.argv[2]), int(sys.argv[3])
-head = torch.nn.Linear(256, vocab)
+head = torch.nn.Linear(256, vocab, device=dev)
 opt = torch.optim.SGD(head.parameters(), lr=1e-3)
-x = torch.randn(rows, 256)
-y = torch.randint(0, vocab, (rows,))
+x = torch.randn(rows, 256, device=dev)
+y = torch.randint(0, vocab, (rows,), device=dev)
 with (ampguard.guard() if sys.argv[1] == "guard" else contextlib.nullcontext()):
     for _ in range(2):
         torch.nn.functional.cross_entropy(head(x), y).backward()  # the logits are dropped at once
         opt.step()
         opt.zero_grad(set_to_none=True)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+if dev == "cuda":
+    print(torch.cuda.max_memory_allocated() / 2**20)
+else:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
 def memory(quick):
     """Peak memory of a step whose logits (rows x vocab) the user never keeps, plain and guarded."""
     rows, vocab = (64, 1000) if quick else (2048, 50000)
+    what = "peak allocated CUDA memory" if DEVICE == "cuda" else "peak RSS"
     print(f"\nmemory: Linear(256, {vocab}) on {rows} rows, logits dropped at once "
-          f"({rows * vocab * 4 / 2**20:.0f} MiB); peak RSS of a fresh process, median of 3")
+          f"({rows * vocab * 4 / 2**20:.0f} MiB); {what} of a fresh process, median of 3")
     peaks = {}
     for _ in range(1 if quick else 3):
         for config in ("plain", "guard"):
-            out = subprocess.run([sys.executable, "-c", _MEMORY_STEP, config, str(rows), str(vocab)],
+            out = subprocess.run([sys.executable, "-c", _MEMORY_STEP, config, str(rows), str(vocab), DEVICE],
                                  capture_output=True, text=True, check=True, env={**os.environ, "AMPGUARD": "0"})
             peaks.setdefault(config, []).append(float(out.stdout.split()[-1]))
     plain, guarded = statistics.median(peaks["plain"]), statistics.median(peaks["guard"])
