@@ -11,6 +11,8 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 @pytest.mark.parametrize(("script", "args", "last_row"), [
     ("core_overhead.py", ["--reps", "1", "--steps", "3"], "installed:"),
     ("overhead.py", ["--quick"], "one replay on failure"),
+    ("overhead.py", ["--quick", "--only", "memory"], "guard"),
+    ("added_ops.py", ["--workload", "tiny", "--steps", "3"], "device-to-host copies and syncs:"),
     ("distributed_overhead.py", ["--reps", "1", "--steps", "2", "--width", "8"], "all_reduce of the 2x1 table"),
     ("hook_times.py", ["--steps", "20"], "ampguard's entry points:"),
     ("hook_times.py", ["--workload", "lightning", "--config", "off", "--steps", "10"], "ampguard's entry points:"),
