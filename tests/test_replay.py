@@ -182,8 +182,34 @@ def test_checkpoint_re_runs_do_not_become_roots_and_names_stay_dotted():
     err = info.value
     assert err.sink == "gradient of parameter 'blocks.0.weight'"
     assert "The backward of torch.sqrt (SqrtBackward0) turned finite gradients into" in str(err)
-    assert err.op == "torch.sqrt"
+    assert err.op == "torch.sqrt" and err.module == "Checkpointed"  # the method runs in the model's own call
     assert err.origin[-1].lineno == line_of(Checkpointed.block, "SQRT AT ZERO")
+
+
+class SqrtBlock(torch.nn.Module):
+    def __init__(self, bad=False):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.bad = bad
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.sqrt(h * 0) if self.bad else torch.tanh(h)  # ONE LINE FOR EVERY BLOCK
+
+
+def test_a_nan_made_only_in_backward_names_the_module_call_not_the_line():
+    """Every block runs the same line: the module comes from the replayed call that made the autograd node."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SqrtBlock(), SqrtBlock(bad=True), SqrtBlock())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    err = info.value
+    assert err.op == "torch.sqrt" and err.module == "1", str(err)
+    assert "Its forward op is in module '1' at" in str(err)
+    assert err.origin[-1].lineno == line_of(SqrtBlock.forward, "ONE LINE FOR EVERY BLOCK")
 
 
 # 5. evaluation with grad enabled and no step ------------------------------------------------------
@@ -222,8 +248,9 @@ def test_a_nan_made_only_in_backward_names_the_forward_op_and_line():
     with pytest.raises(ampguard.NonFiniteError) as info:
         opt.step()
     err = info.value
-    assert err.sink == "gradient of parameter 'fc.weight'" and err.op == "torch.sqrt"
+    assert err.sink == "gradient of parameter 'fc.weight'" and err.op == "torch.sqrt" and err.module == "SqrtAtZero"
     assert "The backward of torch.sqrt (SqrtBackward0) turned finite gradients into +Inf" in str(err)
+    assert "Its forward op is in module 'SqrtAtZero' at" in str(err)
     assert err.origin[-1].filename == __file__
     assert err.origin[-1].lineno == line_of(SqrtAtZero.forward, "BACKWARD NAN")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

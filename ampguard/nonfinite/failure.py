@@ -294,7 +294,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     elif not any(type(c) is Call and c.grad for c in window):
         lines.append("  No origin is known: no module call with gradients was seen since the last check.")
     else:
-        op, origin, more = _replay_backward(g, window, losses)
+        op, module, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
     if op is None and replay._distributed():
         lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
@@ -302,12 +302,12 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
                      "or pow at 0, log near 0, division by a small value, the torch.where trick).")
-    return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, origin=origin)
+    return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, module=module, origin=origin)
 
 
 def _replay_backward(g: _guard.Guard, window: list, losses: list,
-                     found_kinds: set | None = None) -> tuple[Any, Any, list[str]]:
-    """(the forward op, your stack at it, the lines) of the first backward node that made finite
+                     found_kinds: set | None = None) -> tuple[Any, str | None, Any, list[str]]:
+    """(the forward op, its module, your stack at it, the lines) of the first backward node that made finite
     gradients non-finite in a replay (at scale 1: the recorded loss is the unscaled one)."""
     session = replay.Session()
     with replay.untouched(window), replay.anomaly_metadata():
@@ -319,14 +319,14 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
             outs = [replay.replayed_output(session, call, k) for _, k in call.outputs]
             outs = [o for o in outs if o is not None and o.grad_fn is not None]
             if not outs:
-                return None, None, ["  No origin is known: the replayed forward made no graph."]
+                return None, None, None, ["  No origin is known: the replayed forward made no graph."]
             loss = sum((o.float().sum() for o in outs), sinks._torch.zeros(()))
             how = ["  (The loss code was not recorded, so the replayed backward started from the model's output "
                    "with a gradient of ones, not the original one.)"]
         params = [q for c in window if type(c) is Call for q in c.module.parameters()]
         found = replay.backward_origin(session, loss, params)
     if not found:
-        return None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
+        return None, None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
     if found_kinds is not None:
         found_kinds.update(found["kinds"])
     event = session.node_event.get(found["node_id"])
@@ -334,19 +334,23 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         T.repro_origin = repro.Origin(window, event, None, "backward")
     function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
+    made_in = session.node_module.get(found["node_id"])
+    module = report.module_path(made_in[1], made_in[0]) if made_in is not None else None
+    in_module = f" in module '{module}'" if module else ""
     if function is not None:  # a custom autograd.Function: its class, and the backward it defines
         forward = f"{function.__qualname__}.apply"
         lines = [f"  The backward of {forward} (the custom autograd.Function {function.__qualname__}) turned finite "
                  f"gradients into {report.kinds_words(found['kinds'])}. Its backward is at\n    "
-                 f"{report.where(_backward_site(function))}\n  and it was applied at\n    {report.where(own)}"]
+                 f"{report.where(_backward_site(function))}\n  and it was applied{in_module} at\n    "
+                 f"{report.where(own)}"]
     else:
         m = _NODE.match(found["node"])
         forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
         lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
-                 f"{report.kinds_words(found['kinds'])}. Its forward op is at\n    {report.where(own)}"]
+                 f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
-    return forward, report.stack_summary(user) if user else None, [*lines, *how]
+    return forward, module, report.stack_summary(user) if user else None, [*lines, *how]
 
 
 def _backward_site(function: type) -> tuple | None:
@@ -371,7 +375,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
         return
     kinds: set = set()
     try:
-        op, origin, lines = _replay_backward(g, window, losses, kinds)
+        op, module, origin, lines = _replay_backward(g, window, losses, kinds)
     except (AmpGuardError, AmpGuardWarning):
         raise
     except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on
@@ -393,7 +397,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     tail = ["  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or pow "
             "at 0, log near 0, division by a small value, the torch.where trick). This check runs after "
             f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
-    error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, origin=origin)
+    error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, module=module, origin=origin)
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)

@@ -71,6 +71,7 @@ class Session:
         self.replayed: dict[tuple[int, Any], Any] = {}  # (event index, key) -> the replayed output
         self.node_event: dict[int, int] = {}  # id(autograd node the replay made) -> the window event that made it
         self.nodes: list = []  # those nodes, alive while the ids are used
+        self.node_module: dict[int, tuple[Any, Any]] = {}  # id(output node of a module's torch call) -> (module, root)
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
@@ -186,9 +187,12 @@ def _modes(session: Session) -> Any:
         def __torch_function__(self, func, types, args=(), kwargs=None):
             outer, session.fn = session.fn, func if session.fn is None else session.fn
             try:
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
             finally:
                 session.fn = outer
+            if outer is None and T.replay_root is not None:
+                _claim_module(session, out, sys._getframe(1))
+            return out
 
     return Checker(), Names()
 
@@ -386,6 +390,31 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
             session.frames = None
         _map_outputs(session, index, out)
         _claim_nodes(session, index, out)
+
+
+def _claim_module(session: Session, out: Any, frame: Any) -> None:
+    """The module whose torch call made each output's autograd node, for naming a backward origin. Only the
+    call's own output nodes: a composite call's inner nodes (log_softmax's inside cross_entropy) stay unnamed,
+    which is better than a guess."""
+    torch = sinks._torch
+    outs = [out] if isinstance(out, torch.Tensor) else [t for t in _tensors(out)]
+    root = T.replay_root
+    module = None
+    for t in outs:
+        node = t.grad_fn
+        if node is None or id(node) in session.node_module:
+            continue
+        if module is None:
+            module = _calling_module(frame, session.stop) or root
+        session.node_module[id(node)] = (module, root)
+        session.nodes.append(node)
+
+
+def _tensors(out: Any) -> list:
+    kind = type(out)
+    if kind is tuple or kind is list:
+        return [t for t in out if isinstance(t, sinks._torch.Tensor)]
+    return []
 
 
 def _claim_nodes(session: Session, index: int, out: Any) -> None:
