@@ -131,6 +131,25 @@ def test_closure_then_step_under_a_grad_scaler_applies_the_step(L):
     assert len(ours) == 1 and "called optimizer_closure() and then optimizer.step()" in str(ours[0].message)
 
 
+@pytest.mark.parametrize("options", [dict(accumulate_grad_batches=2), dict(gradient_clip_val=0.5),
+                                     dict(accumulate_grad_batches=2, gradient_clip_val=0.5)],
+                         ids=["accumulate", "clip", "accumulate-clip"])
+def test_closure_then_step_with_accumulation_and_clipping_trains_exactly_as_the_correct_override(L, options):
+    """Under accumulation Lightning calls optimizer_step only at each boundary: the injection happens there, and
+    the run is the correct override's, bit for bit, skips of the fp16 calibration included."""
+    ampguard.install()
+    reference = module_class(L, correct_step, sched=True)()
+    fit(L, reference, plugins=[scaler_plugin(L, init_scale=16.0)], **options)
+    ampguard.uninstall()
+    g = ampguard.install()
+    model = module_class(L, closure_then_step, sched=True)()
+    _, ours = fit(L, model, plugins=[scaler_plugin(L, init_scale=16.0)], **options)
+    boundaries = BATCHES // options.get("accumulate_grad_batches", 1)
+    assert g.stats.closures_injected == boundaries and model.training_steps == BATCHES
+    assert len(ours) == 1
+    assert torch.equal(model.layer.weight, reference.layer.weight)
+
+
 def test_correct_override_is_unchanged_and_silent(L):
     g = ampguard.install()
     model = module_class(L, correct_step)()
