@@ -212,6 +212,37 @@ def test_a_nan_made_only_in_backward_names_the_module_call_not_the_line():
     assert err.origin[-1].lineno == line_of(SqrtBlock.forward, "ONE LINE FOR EVERY BLOCK")
 
 
+class CausalLMWithItsOwnLoss(torch.nn.Module):
+    """A model that computes its loss inside forward, as Hugging Face models do when given labels."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        logits = self.lm_head(torch.tanh(self.body(x)))
+        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)  # LIBRARY LOSS LINE
+
+
+def test_an_op_inside_a_torch_python_function_is_placed_at_the_line_that_called_that_function():
+    """Every label of a batch ignored: the mean over no token is NaN, made inside F.cross_entropy's body in
+    torch's functional.py. The place to name is the line that called F.cross_entropy."""
+    ampguard.install()
+    model = CausalLMWithItsOwnLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.full((4,), -100)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(4, 8), labels).backward()
+        opt.step()
+    err = info.value
+    assert err.op == "aten.nll_loss_forward" and err.module == "CausalLMWithItsOwnLoss", str(err)
+    assert "inside torch.nn.functional.cross_entropy" in str(err)
+    assert err.origin[-1].lineno == line_of(CausalLMWithItsOwnLoss.forward, "LIBRARY LOSS LINE")
+    assert "functional.py" not in str(err).split("\n")[3]  # the line under "It was created by ..."
+
+
 # 5. evaluation with grad enabled and no step ------------------------------------------------------
 def test_eval_with_grad_and_no_step_keeps_memory_flat_over_300_forwards():
     ampguard.install()

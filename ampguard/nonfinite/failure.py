@@ -200,7 +200,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                                       module=rec.module if rec.module is not rec.root else None, names=session.names)
     label, op = _label(rec)
     module = report.module_path(rec.root, rec.module)
-    own, user_site, user = report.sites(rec.frames)
+    own, user_site, user = report.sites(rec.frames, rec.fn)
     names = report.tensor_names(_roots(g, window))
     lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.", *noted,
              "  Found by replaying the call op by op (same inputs, RNG state, autocast and grad mode)."]
@@ -233,7 +233,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     if result["transition"] is not None:
         t_rec = records[result["transition"]]
         t_label, _ = _label(t_rec)
-        t_own, _, _ = report.sites(t_rec.frames)
+        t_own, _, _ = report.sites(t_rec.frames, t_rec.fn)
         lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
     masks = result["masks"]
     if masks:

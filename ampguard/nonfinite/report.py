@@ -10,6 +10,7 @@ from __future__ import annotations
 import linecache
 import math
 import os
+import sys
 import sysconfig
 import traceback
 from typing import Any
@@ -138,12 +139,31 @@ def normalise(frames: tuple) -> list[tuple[str, int, str]]:
     return kept
 
 
-def sites(frames: tuple) -> tuple[tuple | None, tuple | None, list]:
-    """(the op's own frame, the user's call site, the user's frames innermost first)."""
+def sites(frames: tuple, fn: Any = None) -> tuple[tuple | None, tuple | None, list]:
+    """(the op's own frame, the user's call site, the user's frames innermost first).
+
+    ``fn``: the torch function the op ran inside. Its own body's frames are skipped, so that an op inside
+    ``F.cross_entropy`` is placed at the line that called ``F.cross_entropy`` (in a library's loss code, say),
+    not at a line of torch's functional.py."""
     frames_ = normalise(frames)
+    inside = _source_file(fn)
+    if inside is not None:
+        past = 0
+        while past < len(frames_) - 1 and frames_[past][0] == inside:
+            past += 1
+        frames_ = frames_[past:]
     own = frames_[0] if frames_ else None
     user = [f for f in frames_ if not is_library(f[0])]
     return own, user[0] if user else None, user
+
+
+def _source_file(fn: Any) -> str | None:
+    """The file of the torch module that defines ``fn`` (torch/nn/functional.py for F.cross_entropy), or None."""
+    name = getattr(fn, "__module__", None)
+    if not name or not name.startswith("torch"):
+        return None
+    module = sys.modules.get(name)
+    return getattr(module, "__file__", None)
 
 
 def where(frame: tuple | None) -> str:
