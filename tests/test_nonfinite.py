@@ -1,5 +1,6 @@
 """NaN/Inf sinks and origin tracing on real models on CPU (fp16/bf16 through autocast)."""
 
+import contextlib
 import math
 import warnings
 
@@ -564,6 +565,73 @@ def test_a_gradient_penalty_over_three_critic_calls_is_replayed_whole_and_names_
     assert err.sink == "gradient of parameter '0.weight'" and err.op == "torch.sqrt"
     assert err.origin[-1].lineno == line_of(wgan_gp_critic_step, "GP LINE")
     assert "did not reproduce" not in str(err)
+
+
+def maml_step(net, meta_opt, x, y, inner_lr):
+    """One meta-learning step: fast weights from an inner step, the outer loss through functional_call."""
+    from torch.func import functional_call
+
+    params = dict(net.named_parameters())
+    inner = torch.nn.functional.mse_loss(functional_call(net, params, (x,)), y)
+    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+    fast = {k: v - inner_lr * g for (k, v), g in zip(params.items(), grads, strict=True)}  # FAST WEIGHTS
+    outer = torch.nn.functional.mse_loss(functional_call(net, fast, (x,)), y)
+    outer.backward()
+    meta_opt.step()
+    meta_opt.zero_grad()
+    return outer.item()
+
+
+def test_a_nan_through_functional_call_fast_weights_is_replayed_with_them():
+    """MAML: the module's call runs with the tensors functional_call put in. The replay put the module's own
+    parameters back, got a finite loss, and blamed "a nondeterministic kernel"."""
+
+    def run(guarded, lrs, net):
+        meta_opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        ctx = ampguard.guard() if guarded else contextlib.nullcontext()
+        with ctx:
+            return [maml_step(net, meta_opt, torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g), lr)
+                    for lr in lrs]
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    plain_net, guarded_net, poisoned_net = net(), net(), net()
+    assert run(True, [0.1, 0.1], guarded_net) == run(False, [0.1, 0.1], plain_net)
+    assert all(torch.equal(a, b) for a, b in zip(plain_net.parameters(), guarded_net.parameters(), strict=True))
+    own = dict(poisoned_net.named_parameters())
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        run(True, [0.1, float("inf")], poisoned_net)
+    err = info.value
+    assert err.op == "Tensor.mul" and "given the Python number inf" in str(err), str(err)
+    assert err.origin[-1].lineno == line_of(maml_step, "FAST WEIGHTS")
+    assert "did not reproduce" not in str(err)
+    assert dict(poisoned_net.named_parameters()) == own  # the replay's swap was undone: the module's own, by identity
+
+
+def test_a_nan_inside_a_functional_call_is_named_and_not_bundled_with_the_modules_own_parameters(tmp_path):
+    from torch.func import functional_call
+
+    class ShiftedSqrt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.sqrt(self.fc(x))  # FUNCTIONAL SQRT
+
+    torch.manual_seed(0)
+    model = ShiftedSqrt()
+    shifted = {"fc.weight": model.fc.weight, "fc.bias": model.fc.bias - 100.0}
+    ampguard.install(repro_dir=str(tmp_path))
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        functional_call(model, shifted, (torch.randn(2, 4),)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    err = info.value
+    assert err.op == "torch.sqrt" and err.module == "ShiftedSqrt", str(err)  # only with the bias it was given
+    assert "no reproducer written: the call ran under torch.func.functional_call" in str(err)
 
 
 def test_torch_func_ensembles_and_per_sample_gradients_run_as_without_ampguard():

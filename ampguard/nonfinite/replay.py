@@ -368,10 +368,16 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         args, kwargs = _map_call(session, event, type(module).__name__)
         _set_rng(event.rng)
         grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
+        state = contextlib.nullcontext()
+        if event.swapped is not None:  # under torch.func.functional_call: the tensors it put in, as they were
+            from torch.nn.utils.stateless import _reparametrize_module
+
+            state = _reparametrize_module(module, _map(session, event.swapped, False, "a tensor functional_call "
+                                                       f"put in '{type(module).__name__}'"))
         T.replay_root = module
         session.site = (event.site[0], event.site[1]) if event.site else None
         try:
-            with grad, _autocast(event.autocast), names, checker:
+            with grad, _autocast(event.autocast), state, names, checker:
                 out = getattr(module, event.method or "forward")(*args, **kwargs)  # (training_step under a strategy)
         finally:
             T.replay_root = None

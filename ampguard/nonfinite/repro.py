@@ -132,6 +132,9 @@ def _capture(origin: Origin) -> dict:
     if type(event) is TapeOp:
         target = None
     else:
+        if event.swapped is not None:
+            raise NotBundled("the call ran under torch.func.functional_call, with parameters the module does not "
+                             "hold: a bundle holds the module's own")
         root = getattr(event.module, "_orig_mod", event.module)
         target = getattr(origin.module, "_orig_mod", origin.module) if origin.module is not None else root
     with replay.untouched(window):

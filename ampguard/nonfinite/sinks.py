@@ -86,13 +86,13 @@ class Call:
     """One outermost module call, as a replay needs it."""
 
     __slots__ = ("args", "autocast", "grad", "index", "inference", "kwargs", "method", "module", "outputs", "rng",
-                 "site", "steps")
+                 "site", "steps", "swapped")
 
     def __init__(self, module: Any, args: Any, kwargs: Any, entry: tuple, outputs: list) -> None:
         self.module = module
         self.args = args  # weak: see weak()
         self.kwargs = kwargs
-        self.rng, self.autocast, self.grad, self.inference, self.site, self.steps, self.method = entry
+        self.rng, self.autocast, self.grad, self.inference, self.site, self.steps, self.method, self.swapped = entry
         self.outputs = outputs  # [(weakref, position)] of the floating output tensors
         self.index = -1  # its place in the window
 
@@ -422,6 +422,35 @@ def redirected(module: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+_FUNCTIONAL_CALL: list = []  # the code object of torch's stateless._functional_call, once looked up
+
+
+def swapped(module: Any, frame: Any, site: tuple | None) -> dict | None:
+    """The parameters and buffers a ``torch.func.functional_call`` put in the module for this call (MAML's
+    fast weights, an ensemble member's state), held as a call's inputs are; None for any other call.
+
+    The replay puts them back in for the call: the module's own parameters would give another value. Found
+    on the frames between torch's call and the user's (three, usually): no cost beyond that walk."""
+    if not _FUNCTIONAL_CALL:
+        from torch.nn.utils import stateless
+
+        _FUNCTIONAL_CALL.append(getattr(getattr(stateless, "_functional_call", None), "__code__", None))
+    code = _FUNCTIONAL_CALL[0]
+    stop = site[0] if site is not None else None
+    budget = 8
+    while frame is not None and budget:
+        here = frame.f_code
+        if here is code:
+            state = dict(module.named_parameters(remove_duplicate=False))
+            state.update(module.named_buffers(remove_duplicate=False))
+            return weak(state, False)
+        if here is stop:
+            return None
+        frame = frame.f_back
+        budget -= 1
+    return None
+
+
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
 def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
@@ -456,8 +485,9 @@ def enter(module: Any, frame: Any) -> int:
         finally:
             t.late = False
     t.resume_tape = resume
+    site = first_user(frame, 8)
     t.entry = (_rng_state(), _autocast_state(), grad,
-               torch.is_inference_mode_enabled(), first_user(frame, 8), t.steps, redirected(module))
+               torch.is_inference_mode_enabled(), site, t.steps, redirected(module), swapped(module, frame, site))
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
