@@ -243,6 +243,29 @@ def test_an_op_inside_a_torch_python_function_is_placed_at_the_line_that_called_
     assert "functional.py" not in str(err).split("\n")[3]  # the line under "It was created by ..."
 
 
+def normalise_gradient(grad):
+    return grad / grad.norm()  # a parameter no gradient reaches: 0 / 0
+
+
+def test_a_nan_made_by_a_gradient_hook_names_the_hook_not_a_nondeterministic_kernel():
+    """Every op's backward is finite; a hook registered on the parameter divides its zero gradient by its norm."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].bias.register_hook(normalise_gradient)
+    with torch.no_grad():
+        model[1].weight.zero_()  # nothing flows back to layer 0: its bias's gradient is all zero
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    err = info.value
+    assert err.sink == "gradient of parameter '0.bias'" and err.op == "hook normalise_gradient", str(err)
+    assert "became NaN in a hook registered on it with Tensor.register_hook" in str(err)
+    assert err.origin[-1].lineno == normalise_gradient.__code__.co_firstlineno
+    assert "did not reproduce" not in str(err) and "the hook made it" in str(err)
+
+
 # 5. evaluation with grad enabled and no step ------------------------------------------------------
 def test_eval_with_grad_and_no_step_keeps_memory_flat_over_300_forwards():
     ampguard.install()

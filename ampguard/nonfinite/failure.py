@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import weakref
@@ -299,6 +300,9 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     if op is None and replay._distributed():
         lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
                      "gradients reach this rank's too. That rank's message names the origin.")
+    elif op is not None and op.startswith("hook "):
+        lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
+                     "gradient reaches the parameter, is one way).")
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
                      "or pow at 0, log near 0, division by a small value, the torch.where trick).")
@@ -325,8 +329,11 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
                    "with a gradient of ones, not the original one.)"]
         params = [q for c in window if type(c) is Call for q in c.module.parameters()]
         found = replay.backward_origin(session, loss, params)
-    if not found:
+    if not found or ("hook" in found and found_kinds is not None):
+        # (a hook at scale 1, in GradScaler's check, is judged as the overflow it usually stands in for)
         return None, None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
+    if "hook" in found:
+        return _hooked(g, window, found, how)
     if found_kinds is not None:
         found_kinds.update(found["kinds"])
     event = session.node_event.get(found["node_id"])
@@ -351,6 +358,26 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, [*lines, *how]
+
+
+def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any, None, Any, list[str]]:
+    """Every op's backward stayed finite and a hook on the parameter (Tensor.register_hook) made its gradient
+    non-finite: name the hooks, where each is defined, and the parameter."""
+    names = report.tensor_names(_roots(g, window))
+    labels, sites = [], []
+    for hook in found["hook"]:
+        target = inspect.unwrap(hook) if inspect.isfunction(hook) else hook
+        call = next((vars(c)["__call__"] for c in type(target).__mro__ if "__call__" in vars(c)), None)
+        code = getattr(target, "__code__", None) or getattr(call, "__code__", None)  # a function, or an object
+        labels.append(getattr(target, "__qualname__", None) or type(target).__qualname__)
+        sites.append((code.co_filename, code.co_firstlineno, code.co_name) if code is not None else None)
+    which = "a hook" if len(labels) == 1 else f"one of the {len(labels)} hooks"
+    lines = [f"  Every op's backward stayed finite in the replay; the gradient of "
+             f"{names.get(id(found['param']), 'a parameter')} became {report.kinds_words(found['kinds'])} in {which} "
+             "registered on it with Tensor.register_hook:"]
+    lines.extend(f"    {label} at {report.where(site)}" for label, site in zip(labels, sites, strict=True))
+    user = [site for site in sites[:1] if site is not None and not report.is_library(site[0])]
+    return f"hook {', '.join(labels)}", None, report.stack_summary(user) if user else None, [*lines, *how]
 
 
 def _backward_site(function: type) -> tuple | None:

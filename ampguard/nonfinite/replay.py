@@ -557,13 +557,21 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
 
         handles.append(node.register_hook(hook))
     inputs = [p for p in params if p.requires_grad]
+    grads: tuple = ()
     try:
         if inputs:
-            torch.autograd.grad(loss, inputs, allow_unused=True)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    return found or None
+    if found:
+        return found
+    for param, grad in zip(inputs, grads, strict=True):  # every op's backward stayed finite: a hook on the tensor?
+        bad = kinds(grad) if grad is not None else frozenset()
+        hooks = getattr(param, "_backward_hooks", None)
+        if bad and hooks:
+            return {"hook": list(hooks.values()), "param": param, "kinds": bad}
+    return None
 
 
 def _nodes(root: Any) -> list:
