@@ -403,7 +403,7 @@ def _claim_module(session: Session, out: Any, frame: Any) -> None:
     call's own output nodes: a composite call's inner nodes (log_softmax's inside cross_entropy) stay unnamed,
     which is better than a guess."""
     torch = sinks._torch
-    outs = [out] if isinstance(out, torch.Tensor) else [t for t in _tensors(out)]
+    outs = [out] if isinstance(out, torch.Tensor) else _tensors(out)
     root = T.replay_root
     module = None
     for t in outs:
@@ -417,8 +417,7 @@ def _claim_module(session: Session, out: Any, frame: Any) -> None:
 
 
 def _tensors(out: Any) -> list:
-    kind = type(out)
-    if kind is tuple or kind is list:
+    if isinstance(out, (tuple, list)):  # (torch.return_types too: max's values and indices)
         return [t for t in out if isinstance(t, sinks._torch.Tensor)]
     return []
 
