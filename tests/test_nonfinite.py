@@ -204,6 +204,7 @@ def test_fp16_parameters_with_adam_and_a_zero_gradient_mention_eps():
     assert "It entered already non-finite (NaN): parameter 'weight'" in message or \
         "It entered already non-finite (NaN): parameter 'bias'" in message, message
     assert "The optimizer step of Adam#0 made it: its gradients were finite at that step" in message
+    assert "and eps rounds to 0 (below)." in message
     assert "eps=1e-08 rounds to 0 in float16" in message
 
 

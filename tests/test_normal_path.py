@@ -323,7 +323,27 @@ def test_a_nan_made_by_a_step_is_named_at_the_next_forward_with_the_step():
         opt.step()
     message = str(info.value)
     assert "It entered already non-finite" in message and "parameter 'fc." in message
-    assert "The optimizer step of SGD#0 made it" in message
+    assert "The optimizer step of SGD#0 made it: its gradients were finite at that step" in message
+    assert "and its learning rate is inf." in message
+
+
+def test_a_parameter_set_by_hand_after_a_step_is_not_blamed_on_the_step_alone():
+    """Its gradients were finite and its settings are: the step may have made it, or code after it did."""
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("inf")  # a LoRA adapter or a weight patched by hand, say
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    message = str(info.value)
+    assert "The optimizer step of AdamW#0 ran on it after its last check" in message
+    assert "or code outside the optimizer wrote it after the step (parameters set by hand" in message
+    assert "made it:" not in message
 
 
 def test_a_teacher_under_no_grad_after_the_student_keeps_the_loss_code_recorded():

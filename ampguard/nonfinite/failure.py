@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import re
 import weakref
 from typing import Any
@@ -439,19 +440,40 @@ def _param_name(names: dict, params: list, param: Any) -> str:
 
 
 def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
-    """A parameter that entered non-finite after an optimizer step of this thread: that step made it."""
+    """A parameter that entered non-finite after an optimizer step of this thread. That step made it when
+    its settings say so (a non-finite learning rate, an fp16 eps that rounds to 0); otherwise code outside the
+    optimizer may have written it since, and the message says both."""
     if not isinstance(tensor, sinks._torch.nn.Parameter):
         return []
     optimizer = sinks.stepped_optimizer_of(tensor)
     if optimizer is None:
         return ["  No optimizer step of this run touched it: it was loaded or set that way."]
+    name = g.name_of(optimizer)
+    checked = ("its gradients were finite at that step (ampguard checks them before every step, or GradScaler "
+               "let the step through)")
     hint = eps_message(optimizer)
-    lines = [f"  The optimizer step of {g.name_of(optimizer)} made it: its gradients were finite at that step "
-             "(ampguard checks them before every step, or GradScaler let the step through), so the step "
-             "itself did it: a learning rate that diverges, an eps that rounds to 0, or parameters set by hand."]
+    bad = _non_finite_settings(optimizer, tensor)
+    if hint or bad:
+        why = f"its {bad}" if bad else "eps rounds to 0 (below)"
+        lines = [f"  The optimizer step of {name} made it: {checked}, and {why}."]
+    else:
+        lines = [f"  The optimizer step of {name} ran on it after its last check: {checked}. So either that step "
+                 "made it (a learning rate that diverges, an eps that rounds to 0), or code outside the optimizer "
+                 "wrote it after the step (parameters set by hand, a checkpoint loaded)."]
     if hint:
         lines.append("  " + hint[0].upper() + hint[1:])
     return lines
+
+
+def _non_finite_settings(optimizer: Any, param: Any) -> str:
+    """'learning rate is inf' (or another float setting) for the param group of ``param``, or ''."""
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            for key, value in group.items():
+                number = value.item() if isinstance(value, sinks._torch.Tensor) and value.numel() == 1 else value
+                if isinstance(number, float) and not math.isfinite(number):
+                    return f"{'learning rate' if key == 'lr' else key} is {number}"
+    return ""
 
 
 # -- eager -----------------------------------------------------------------------------------
