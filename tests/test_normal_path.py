@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from loops import TokenLM, added_syncs
+from loops import CountSyncs, TokenLM, added_syncs
 
 import ampguard
 from ampguard import _sync, nonfinite
@@ -288,14 +288,69 @@ def test_a_nan_gradient_under_a_finite_loss_is_caught_by_either_read(read_path):
     assert g.stats.nonfinite_detected == 1
 
 
-def test_a_finite_loss_is_read_at_once_on_a_cpu_and_the_next_forward_still_ends_its_window(read_path):
+class ShiftedSqrt(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sqrt(self.fc(x) + 50.0)  # MICRO-BATCH SQRT: NaN only for an input far below the others
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["micro-batches-held", "micro-batches-dropped"])
+def test_a_nan_in_an_earlier_micro_batch_is_caught_at_the_step_on_a_device(monkeypatch, keep):
+    """Read at the step with the others: named if the user still holds that micro-batch (a list of them, as
+    transformers' Trainer keeps), and otherwise reported with why it was not replayed. Never applied."""
+    monkeypatch.setattr(_sync, "HOST_READS", False)
+    ampguard.install()
+    model = ShiftedSqrt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(1)
+    micro_batches = [torch.rand(4, 8, generator=g) * (-1000.0 if k == 1 else 1.0) for k in range(4)]
+    held = []
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        for k in range(4):
+            x = micro_batches[k].clone()
+            if keep:
+                held.append(x)
+            (model(x).sum() / 4).backward()
+            del x
+        opt.step()
+    err = info.value
+    assert err.sink == "loss" and all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    if keep:
+        assert err.op == "torch.sqrt" and err.module == "ShiftedSqrt", str(err)
+        assert err.origin[-1].lineno == ShiftedSqrt.forward.__code__.co_firstlineno + 1  # the MICRO-BATCH SQRT line
+    else:
+        assert err.op is None
+        assert "was freed before the check: it is an earlier micro-batch of a step that accumulates" in str(err)
+
+
+def test_gradient_accumulation_reads_each_micro_batch_on_a_cpu_and_all_of_them_at_the_step_on_a_device(read_path):
+    """On a CPU a finite loss is read at once, for free, and the next forward ends its window. On a device a read
+    is a sync: the step's micro-batches are read together at the step, and the data of the earlier ones is held
+    weakly from the next micro-batch on, so that memory is the user's."""
     ampguard.install()
     model = Net()
-    x = torch.randn(4, 8)
-    for _ in range(3):  # gradient accumulation: forward and backward, no step
-        model(x).sum().backward()
-        assert len(sinks.T.window) == 2  # this micro-batch's call and its loss code (the sum): one window each
-        assert len(sinks.T.pending) == (0 if read_path == "host" else 1)  # a finite CPU loss leaves no check
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CountSyncs() as mode:
+        for k in range(3):  # gradient accumulation: forward and backward, no step
+            x = torch.randn(4, 8)
+            model(x).sum().backward()
+            if read_path == "host":
+                assert len(sinks.T.window) == 2  # this micro-batch's call and its loss code (the sum)
+                assert not sinks.T.pending  # a finite CPU loss leaves no check
+            else:
+                assert len(sinks.T.window) == 2 * (k + 1) and len(sinks.T.pending) == k + 1
+                held = [a for e in sinks.T.window[:-2] for a in e.args if isinstance(a, torch.Tensor)]
+                assert held == []  # the earlier micro-batches' inputs: weak Refs now
+        before = mode.syncs
+        opt.step()
+        assert not sinks.T.window and not sinks.T.pending
+    if read_path == "device":
+        assert before == 0 and mode.syncs == 1  # one read, at the step, for the three micro-batches
 
 
 def test_a_read_whose_every_sink_was_dropped_still_ends_its_window(read_path):

@@ -288,6 +288,9 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
             if value.event >= 0 and value.event in session.unreplayed:
                 raise Freed(f"{where} comes from a call that was not replayed "
                             f"({session.unreplayed[value.event]})")
+            if value.event == sinks.RELEASED:
+                raise Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
+                            "accumulates gradients, whose checks a device reads together at the step (one sync)")
             raise Freed(f"{where} was freed before the check")
         value = original
     if isinstance(value, torch.Tensor):

@@ -52,6 +52,7 @@ from . import outermost
 
 FEATURE = "nonfinite"
 log = logging.getLogger("ampguard")
+RELEASED = -2  # Ref.event of data released at a micro-batch boundary (see _next_micro_batch)
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
 REPEATS = 64  # train-mode calls of one module with grad and no backward() that the window keeps (see _new_batch)
 
@@ -168,6 +169,7 @@ class _Thread:
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
         self.backward_since_read = False
+        self.released = 0  # window events before this one hold their data weakly (a step's earlier micro-batches)
         self.late = False  # the read in progress is at a module call, not at a step (a failure says so)
         self.backwards = 0  # backward() calls in this thread: a clip before the latest one is stale
         self.clip: tuple | None = None  # (total norm, ids of the clipped parameters, backwards at the clip)
@@ -479,11 +481,15 @@ def enter(module: Any, frame: Any) -> int:
         t.last_shown = shown
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
-        t.late = True
-        try:
-            check()  # the previous call's checks (or its window, if none is left): no step consumed them
-        finally:
-            t.late = False
+        if t.backward_since_read and grad and module.training and not _new_batch(t, module, grad) and \
+                _on_a_device(t.pending):
+            _next_micro_batch(t)  # gradient accumulation on a device: read at the step, one sync for all
+        else:
+            t.late = True
+            try:
+                check()  # the previous call's checks (or its window, if none is left): no step consumed them
+            finally:
+                t.late = False
     t.resume_tape = resume
     site = first_user(frame, 8)
     t.entry = (_rng_state(), _autocast_state(), grad,
@@ -498,6 +504,46 @@ def enter(module: Any, frame: Any) -> int:
         return outermost.OUTERMOST_KEEP_HOOKS
     t.eager = False
     return outermost.OUTERMOST
+
+
+def _on_a_device(pending: list) -> bool:
+    """Whether checks wait, and each on a device, where reading it now would cost a sync (a CPU status is read
+    at once, for free)."""
+    if not pending:
+        return False
+    host = _sync.HOST_READS
+    for p in pending:
+        for part in p.parts:
+            tensor = part if isinstance(part, _Tensor) else part()
+            if tensor is not None and host and tensor.is_cpu:
+                return False
+    return True
+
+
+def _next_micro_batch(t: _Thread) -> None:
+    """A train-mode call with grad after a backward() and before any step: the next micro-batch of a step that
+    accumulates gradients. Its checks are not read here (on a device that would be a sync per micro-batch, where
+    the step's read is one for all of them). The data the window holds for the micro-batches before (their
+    inputs and targets) is held weakly from now on, as every other tensor is: memory stays the user's, and a
+    micro-batch that the user still holds at the step (a list of them) can still be replayed."""
+    for event in t.window[t.released:]:
+        event.args = _weakened(event.args)
+        if event.kwargs:
+            event.kwargs = _weakened(event.kwargs)
+    t.released = len(t.window)
+    t.backward_since_read = False  # (this boundary is handled; the next backward() marks the next one)
+
+
+def _weakened(value: Any) -> Any:
+    if isinstance(value, _Tensor):
+        return Ref(weakref.ref(value), RELEASED, None)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        out = [_weakened(v) for v in value]
+        return tuple(out) if kind is tuple else out
+    if kind is dict:
+        return {k: _weakened(v) for k, v in value.items()}
+    return value  # a Ref, a number, or an object kept as it is until the read (see weak())
 
 
 def _new_batch(t: _Thread, module: Any, grad: bool) -> bool:
@@ -1214,6 +1260,7 @@ def _clear_window() -> None:
     t.stepping = False
     t.losses = []
     t.backward_since_read = False
+    t.released = 0
     t.scaled = {}
 
 
