@@ -455,6 +455,43 @@ def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_r
     assert info.value.origin[-1].line.endswith("# AFTER LOG")
 
 
+def test_accumulate_grad_batches_on_a_device_reads_once_per_step_and_still_stops_an_earlier_micro_batchs_nan(
+        L, monkeypatch):
+    """On a device (statuses not read on the host) the step's micro-batches are read together at the step;
+    a NaN in the first of two is caught before the optimizer step, and the message says how to have it replayed."""
+    from ampguard import _sync
+
+    monkeypatch.setattr(_sync, "HOST_READS", False)
+
+    class FirstMicroBatchPoisoned(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            out = self.layer(batch[0])
+            loss = out.pow(2).mean()
+            return loss + torch.log(out - out - 1).mean() if batch_idx == 2 else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ampguard.install()
+    model = FirstMicroBatchPoisoned()
+    steps = []
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            steps.append(pl_module.layer.weight.detach().clone())
+
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fit(L, model, accumulate_grad_batches=2, callbacks=[Probe()])
+    assert info.value.sink == "loss"
+    assert len(steps) == 2 and torch.equal(model.layer.weight, steps[-1])  # the second step was never applied
+    assert "run without accumulation (accumulate_grad_batches=1)" in str(info.value)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss(L, accumulate):
     """Lightning divides training_step's loss by accumulate_grad_batches (by 1 too) before backward(): the loss

@@ -326,6 +326,7 @@ def test_a_nan_in_an_earlier_micro_batch_is_caught_at_the_step_on_a_device(monke
     else:
         assert err.op is None
         assert "was freed before the check: it is an earlier micro-batch of a step that accumulates" in str(err)
+        assert "keep the micro-batches referenced until the step, or run without accumulation" in str(err)
 
 
 def test_gradient_accumulation_reads_each_micro_batch_on_a_cpu_and_all_of_them_at_the_step_on_a_device(read_path):

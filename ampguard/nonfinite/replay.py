@@ -277,6 +277,9 @@ class Reached(Exception):
 class Freed(Exception):
     """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
 
+    advice = ("ampguard keeps no tensor alive past your last reference, so keep the batch referenced until the "
+              "step to have it replayed")
+
 
 def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
     torch = sinks._torch
@@ -289,8 +292,11 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
                 raise Freed(f"{where} comes from a call that was not replayed "
                             f"({session.unreplayed[value.event]})")
             if value.event == sinks.RELEASED:
-                raise Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
-                            "accumulates gradients, whose checks a device reads together at the step (one sync)")
+                freed = Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
+                              "accumulates gradients, whose checks a device reads together at the step (one sync)")
+                freed.advice = ("to have it replayed, keep the micro-batches referenced until the step, or run "
+                                "without accumulation (accumulate_grad_batches=1) while you look for it")
+                raise freed
             raise Freed(f"{where} was freed before the check")
         value = original
     if isinstance(value, torch.Tensor):
@@ -356,8 +362,7 @@ def run_window(session: Session, window: list, names: bool = True) -> None:
         try:
             _run_event(session, event, index, checker, named)
         except Freed as freed:
-            session.unreplayed[index] = f"{freed}: ampguard keeps no tensor alive past your last reference, so " \
-                "keep the batch referenced until the step to have it replayed"
+            session.unreplayed[index] = f"{freed}: {freed.advice}"
 
 
 def _run_event(session: Session, event: Any, index: int, checker: Any, names: Any) -> None:
