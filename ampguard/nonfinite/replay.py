@@ -410,11 +410,9 @@ def _claim_module(session: Session, out: Any, frame: Any) -> None:
     """The module whose torch call made each output's autograd node, for naming a backward origin. Only the
     call's own output nodes: a composite call's inner nodes (log_softmax's inside cross_entropy) stay unnamed,
     which is better than a guess."""
-    torch = sinks._torch
-    outs = [out] if isinstance(out, torch.Tensor) else _tensors(out)
     root = T.replay_root
     module = None
-    for t in outs:
+    for t, _ in sinks.floating(out):
         node = t.grad_fn
         if node is None or id(node) in session.node_module:
             continue
@@ -422,12 +420,6 @@ def _claim_module(session: Session, out: Any, frame: Any) -> None:
             module = _calling_module(frame, session.stop) or root
         session.node_module[id(node)] = (module, root)
         session.nodes.append(node)
-
-
-def _tensors(out: Any) -> list:
-    if isinstance(out, (tuple, list)):  # (torch.return_types too: max's values and indices)
-        return [t for t in out if isinstance(t, sinks._torch.Tensor)]
-    return []
 
 
 def _claim_nodes(session: Session, index: int, out: Any) -> None:
