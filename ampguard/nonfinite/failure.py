@@ -349,7 +349,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         forward = f"{function.__qualname__}.apply"
         lines = [f"  The backward of {forward} (the custom autograd.Function {function.__qualname__}) turned finite "
                  f"gradients into {report.kinds_words(found['kinds'])}. Its backward is at\n    "
-                 f"{report.where(_backward_site(function))}\n  and it was applied{in_module} at\n    "
+                 f"{report.where(_defined_at(function.backward))}\n  and it was applied{in_module} at\n    "
                  f"{report.where(own)}"]
     else:
         m = _NODE.match(found["node"])
@@ -367,11 +367,9 @@ def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any,
     names = report.tensor_names(_roots(g, window))
     labels, sites = [], []
     for hook in found["hook"]:
-        target = inspect.unwrap(hook) if inspect.isfunction(hook) else hook
-        call = next((vars(c)["__call__"] for c in type(target).__mro__ if "__call__" in vars(c)), None)
-        code = getattr(target, "__code__", None) or getattr(call, "__code__", None)  # a function, or an object
-        labels.append(getattr(target, "__qualname__", None) or type(target).__qualname__)
-        sites.append((code.co_filename, code.co_firstlineno, code.co_name) if code is not None else None)
+        function = hook if inspect.isfunction(hook) or inspect.ismethod(hook) else type(hook).__call__  # an object
+        labels.append(getattr(hook, "__qualname__", None) or type(hook).__qualname__)
+        sites.append(_defined_at(function))
     which = "a hook" if len(labels) == 1 else f"one of the {len(labels)} hooks"
     lines = [f"  Every op's backward stayed finite in the replay; the gradient of "
              f"{names.get(id(found['param']), 'a parameter')} became {report.kinds_words(found['kinds'])} in {which} "
@@ -381,15 +379,14 @@ def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any,
     return f"hook {', '.join(labels)}", None, report.stack_summary(user) if user else None, [*lines, *how]
 
 
-def _backward_site(function: type) -> tuple | None:
-    """(file, line, name) of a custom autograd.Function's backward, for the message."""
-    import inspect
-
+def _defined_at(function: Any) -> tuple | None:
+    """(file, line, name) of the ``def`` of ``function`` (a custom autograd.Function's backward, a gradient
+    hook), for the message."""
     try:
-        backward = inspect.unwrap(function.backward)
-        lines, start = inspect.getsourcelines(backward)
+        function = inspect.unwrap(function)
+        lines, start = inspect.getsourcelines(function)
         at = next((i for i, text in enumerate(lines) if text.lstrip().startswith("def ")), 0)  # past decorators
-        return inspect.getsourcefile(backward), start + at, backward.__qualname__
+        return inspect.getsourcefile(function), start + at, function.__qualname__
     except (OSError, TypeError):
         return None
 
