@@ -141,6 +141,10 @@ class Pending:
         """An output whose status was not taken when made (a grad-enabled call): a later loss covers it."""
         return self.call is not None and self.status is None
 
+    def alive(self) -> list:
+        """The parts, with each weakly held one resolved (None where the user dropped it)."""
+        return [part if isinstance(part, _Tensor) else part() for part in self.parts]
+
     @property
     def sink(self) -> str:
         if self._sink is None:  # an output's
@@ -511,13 +515,9 @@ def _on_a_device(pending: list) -> bool:
     at once, for free)."""
     if not pending:
         return False
-    host = _sync.HOST_READS
-    for p in pending:
-        for part in p.parts:
-            tensor = part if isinstance(part, _Tensor) else part()
-            if tensor is not None and host and tensor.is_cpu:
-                return False
-    return True
+    if not _sync.HOST_READS:
+        return True
+    return not any(t is not None and t.is_cpu for p in pending for t in p.alive())
 
 
 def _next_micro_batch(t: _Thread) -> None:
@@ -1245,8 +1245,7 @@ def _finite_after_all(p: Pending) -> bool:
     """An Inf status may be a sum of squares that overflowed: check exactly (failure path only)."""
     if p.params is not None:
         return all(finite(q.grad) for q in p.params if q.grad is not None)
-    alive = [part if isinstance(part, _torch.Tensor) else part() for part in p.parts]
-    return all(t is not None and finite(t) for t in alive)
+    return all(t is not None and finite(t) for t in p.alive())
 
 
 def _clear_window() -> None:
