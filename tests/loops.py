@@ -18,6 +18,26 @@ class Overflow:
         return grad * float("inf") if self.i in self.iterations else None
 
 
+def one_scaler_two_optimizers(m1, m2, o1, o2, s1, s2, scaler, overflow: Overflow, inputs, autocast=None) -> None:
+    """A loop whose two models' losses share one GradScaler, each model with its own optimizer and scheduler;
+    ``overflow`` (on a parameter of ``m1``) makes chosen iterations' gradients inf. ``autocast``: a device type
+    to run the forwards under float16 autocast."""
+    import contextlib
+
+    for i, x in enumerate(inputs):
+        overflow.i = i
+        with torch.autocast(autocast, dtype=torch.float16) if autocast else contextlib.nullcontext():
+            loss = m1(x).float().pow(2).mean() + m2(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(o1)
+        scaler.step(o2)
+        scaler.update()
+        s1.step()
+        s2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+
+
 def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + i)
     return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)

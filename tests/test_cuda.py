@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from loops import Overflow, one_scaler_two_optimizers
 
 import ampguard
 
@@ -273,22 +274,8 @@ def test_two_optimizers_fused_and_foreach_on_one_cuda_scaler_hold_only_the_skipp
     o2 = torch.optim.Adam(m2.parameters(), lr=0.1, foreach=True)
     s1 = torch.optim.lr_scheduler.LambdaLR(o1, lambda s: 1.0 / (s + 1))
     s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 1.0 / (s + 1))
-    scaler = torch.amp.GradScaler(DEV)
-    overflow = {"i": -1}
-    m1.weight.register_hook(lambda grad: grad * float("inf") if overflow["i"] in (1, 2) else None)
-    for i in range(5):
-        overflow["i"] = i
-        x = torch.randn(8, 16, device=DEV)
-        with torch.autocast(DEV, dtype=torch.float16):
-            loss = m1(x).float().pow(2).mean() + m2(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(o1)
-        scaler.step(o2)
-        scaler.update()
-        s1.step()
-        s2.step()
-        o1.zero_grad()
-        o2.zero_grad()
+    one_scaler_two_optimizers(m1, m2, o1, o2, s1, s2, torch.amp.GradScaler(DEV), Overflow(m1.weight, {1, 2}),
+                              [torch.randn(8, 16, device=DEV) for _ in range(5)], autocast=DEV)
     assert (s1.last_epoch, s2.last_epoch) == (3, 5)
     assert g.stats.optimizer_steps_skipped == 2 and g.stats.optimizer_steps_applied == 8
 

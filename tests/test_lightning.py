@@ -54,6 +54,28 @@ def module_class(L, optimizer_step=None, opt="sgd", sched=False, overflow=()):
     return Model
 
 
+def poisoned(L, at: int, as_dict: bool = False):
+    """A module whose training_step adds log(-1) to the loss of batch ``at`` (the line ends with "# POISON")."""
+
+    class Poisoned(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            out = self.layer(batch[0])
+            loss = out.pow(2).mean()
+            if batch_idx == at:
+                loss = loss + torch.log(out - out - 1).mean()  # POISON
+            return {"loss": loss, "size": len(batch[0])} if as_dict else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Poisoned
+
+
 def warmup_step(self, epoch, batch_idx, optimizer, optimizer_closure):
     """The seed report: LR warm-up, then optimizer.step() without the closure."""
     for group in optimizer.param_groups:
@@ -463,22 +485,8 @@ def test_accumulate_grad_batches_on_a_device_reads_once_per_step_and_still_stops
 
     monkeypatch.setattr(_sync, "HOST_READS", False)
 
-    class FirstMicroBatchPoisoned(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            out = self.layer(batch[0])
-            loss = out.pow(2).mean()
-            return loss + torch.log(out - out - 1).mean() if batch_idx == 2 else loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     ampguard.install()
-    model = FirstMicroBatchPoisoned()
+    model = poisoned(L, at=2)()  # the first micro-batch of the second step
     steps = []
 
     class Probe(L.Callback):
@@ -498,22 +506,6 @@ def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss
     the sink sees is that quotient, made after training_step returned."""
     from ampguard import nonfinite
 
-    class Poisoned(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            out = self.layer(batch[0])
-            loss = out.pow(2).mean()
-            if batch_idx == 1:
-                loss = loss + torch.log(out - out - 1).mean()  # POISON
-            return {"loss": loss, "size": len(batch[0])}
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     ampguard.install()
     divisions = []
 
@@ -522,7 +514,7 @@ def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss
             divisions.append(sum(getattr(e, "func", None) is torch.div for e in nonfinite.T.window))
 
     with pytest.raises(ampguard.NonFiniteError) as info:
-        fit(L, Poisoned(), accumulate_grad_batches=accumulate, callbacks=[Probe()])
+        fit(L, poisoned(L, at=1, as_dict=True)(), accumulate_grad_batches=accumulate, callbacks=[Probe()])
     assert divisions[0] == (accumulate > 1)  # a division by 1 is the loss itself: nothing to record
     assert info.value.sink == "loss" and info.value.op == "torch.log"
     assert info.value.origin[-1].line.endswith("# POISON")

@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, added_syncs, data, lr, model, reference_loop, scaled_loop
+from loops import Overflow, added_syncs, data, lr, model, one_scaler_two_optimizers, reference_loop, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -105,18 +105,8 @@ def test_two_optimizers_on_one_scaler_with_inf_in_only_one():
     o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.AdamW(m2.parameters(), lr=0.1)
     s1, s2 = lambda_warmup(o1), lambda_warmup(o2)
     scaler = torch.amp.GradScaler("cpu")
-    hook = Overflow(m1[0].weight, {1, 2})
-    for i in range(5):
-        hook.i = i
-        x, _ = data(i)
-        scaler.scale(m1(x).pow(2).mean() + m2(x).pow(2).mean()).backward()
-        scaler.step(o1)
-        scaler.step(o2)
-        scaler.update()
-        s1.step()
-        s2.step()
-        o1.zero_grad()
-        o2.zero_grad()
+    one_scaler_two_optimizers(m1, m2, o1, o2, s1, s2, scaler, Overflow(m1[0].weight, {1, 2}),
+                              [data(i)[0] for i in range(5)])
     assert s1.last_epoch == 3  # two of its five steps were skipped
     assert s2.last_epoch == 5  # its own steps all applied, although the shared scale backed off
     assert g.stats.optimizer_steps_skipped == 2
