@@ -140,3 +140,51 @@ class TokenLM(torch.nn.Module):
 
     def forward(self, ids):
         return self.out(self.emb(ids))
+
+
+def gan_class(L, overflow_at=(), nan_in_critic_at=None):
+    """A GAN trained the way Lightning documents it: two optimizers and two per-step schedulers, toggled by hand.
+    ``overflow_at``: batches whose critic gradients overflow (a hook, as an fp16 overflow does); ``nan_in_critic_at``:
+    a batch whose critic makes a NaN in its forward."""
+
+    class GAN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            self.G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+            self.D = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            self.batch = -1
+            self.D[0].weight.register_hook(lambda grad: grad * float("inf") if self.batch in overflow_at else None)
+            self.D[1].register_forward_hook(
+                lambda m, a, out: out * float("nan") if self.batch == nan_in_critic_at else None)
+
+        def training_step(self, batch, batch_idx):
+            self.batch = batch_idx
+            opt_g, opt_d = self.optimizers()
+            (x,) = batch
+            fake = self.G(x)
+            self.toggle_optimizer(opt_d)
+            d_loss = (torch.nn.functional.softplus(-self.D(x).float()).mean()
+                      + torch.nn.functional.softplus(self.D(fake.detach()).float()).mean()) * 1e-3  # (see g_loss)
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+            self.untoggle_optimizer(opt_d)
+            self.toggle_optimizer(opt_g)
+            g_loss = torch.nn.functional.softplus(-self.D(fake).float()).mean() * 1e-3  # no fp16 overflow at GradScaler's
+            # default initial scale: the 16-mixed runs skip only the steps a test makes overflow
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            self.untoggle_optimizer(opt_g)
+            for scheduler in self.lr_schedulers():
+                scheduler.step()
+
+        def configure_optimizers(self):
+            opt_g = torch.optim.Adam(self.G.parameters(), lr=1e-2)
+            opt_d = torch.optim.Adam(self.D.parameters(), lr=1e-2)
+            return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 1, 0.5),
+                                    torch.optim.lr_scheduler.StepLR(opt_d, 1, 0.5)]
+
+    return GAN

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, one_scaler_two_optimizers
+from loops import Overflow, gan_class, one_scaler_two_optimizers
 
 import ampguard
 
@@ -228,6 +228,35 @@ def test_lightning_16_mixed_fit_adds_at_most_one_sync_per_step(accumulate):
     syncs(False)  # warm: the first fit initialises CUDA and Lightning's lazy state
     plain, guarded = syncs(False), syncs(True)
     assert guarded - plain <= BATCHES // accumulate, (plain, guarded)  # one per optimizer step
+
+
+def test_lightning_16_mixed_manual_optimization_gan_is_bit_identical_holds_the_critics_schedule_and_syncs_once_a_step():
+    """Manual optimization on a real 16-mixed GPU run: two optimizers, each stepped through Lightning's own GradScaler
+    in the user's training_step, and two per-step schedulers."""
+    L = _lightning()
+
+    def run(guarded, overflow_at=()):
+        ctx = ampguard.guard() if guarded else torch.autograd.set_grad_enabled(True)
+        model = gan_class(L, overflow_at=overflow_at)()
+        with ctx, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if DEV == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _fit(L, model)
+            finally:
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+        return model, sum("synchroniz" in str(w.message) for w in caught)
+
+    run(False)  # warm: the first fit initialises CUDA and Lightning's lazy state
+    plain, plain_syncs = run(False)
+    guarded, guarded_syncs = run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters(), strict=True))
+    assert guarded_syncs - plain_syncs <= 2 * BATCHES, (plain_syncs, guarded_syncs)  # two optimizer steps a batch
+    skipped, _ = run(True, overflow_at=(1,))
+    sched_g, sched_d = skipped.lr_schedulers()
+    assert (sched_g.last_epoch, sched_d.last_epoch) == (BATCHES, BATCHES - 1)
 
 
 def _logits_step(guarded):

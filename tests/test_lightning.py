@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from loops import gan_class
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampguard
@@ -518,3 +519,31 @@ def test_a_nan_in_training_step_is_named_through_lightnings_division_of_the_loss
     assert divisions[0] == (accumulate > 1)  # a division by 1 is the loss itself: nothing to record
     assert info.value.sink == "loss" and info.value.op == "torch.log"
     assert info.value.origin[-1].line.endswith("# POISON")
+
+
+# manual optimization: the user's training_step calls manual_backward() and step() itself --------------------------
+def test_manual_optimization_gan_under_16_mixed_trains_bit_identically_and_holds_only_the_skipped_schedule(L):
+    plain = gan_class(L)()
+    fit(L, plain, plugins=[scaler_plugin(L, init_scale=2.0**8)])
+    ampguard.install()
+    guarded = gan_class(L)()
+    _, warned = fit(L, guarded, plugins=[scaler_plugin(L, init_scale=2.0**8)])
+    assert not warned
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters(), strict=True))
+    assert [s.last_epoch for s in guarded.lr_schedulers()] == [BATCHES, BATCHES]
+
+    skipped = gan_class(L, overflow_at=(1,))()
+    fit(L, skipped, plugins=[scaler_plugin(L, init_scale=2.0**8)])
+    sched_g, sched_d = skipped.lr_schedulers()
+    assert sched_g.last_epoch == BATCHES  # the generator's steps were all applied
+    assert sched_d.last_epoch == BATCHES - 1  # the critic's skipped step held its schedule only
+    assert sched_d.get_last_lr() == [1e-2 * 0.5 ** (BATCHES - 1)]
+
+
+def test_manual_optimization_nan_is_named_by_its_path_in_the_lightning_module(L):
+    """training_step calls self.D(x): the module is 'D.1' (the LightningModule's own name for it), not '1'."""
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fit(L, gan_class(L, nan_in_critic_at=2)())
+    assert info.value.sink == "loss" and info.value.op == "Tensor.mul" and info.value.module == "D.1"
+    assert "lambda m, a, out: out * float(\"nan\")" in info.value.origin[-1].line

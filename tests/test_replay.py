@@ -431,6 +431,65 @@ def test_a_value_that_does_not_reproduce_is_reported_as_such():
     assert info.value.op is None
 
 
+def test_a_gradient_changed_after_backward_is_not_blamed_on_the_backward_pass():
+    """Code between backward() and the step wrote the inf (gradient surgery, noise, a manual rescale): the
+    replayed backward is finite, so the message names that cause first and does not claim the backward made it."""
+    ampguard.install()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        model[0].weight.grad.fill_(float("inf"))
+        opt.step()
+    message = str(info.value)
+    assert info.value.sink == "gradient of parameter '0.weight'" and info.value.op is None
+    assert "the replayed backward stayed finite" in message
+    assert "Causes: code that changed the gradient after backward() and before the step" in message
+    assert "the backward pass made it" not in message
+
+
+def test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site():
+    """A GAN's generator and critic, both Sequential: '0.weight' alone would not say whose gradient failed."""
+    ampguard.install()
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    D = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt_d = torch.optim.SGD(D.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fake = G(torch.randn(2, 4))
+        score = D(fake.detach())  # THE CRITIC
+        (score - score.detach()).abs().sqrt().sum().backward()  # sqrt at 0: an infinite gradient, NaN after
+        opt_d.step()
+    at = f"{__file__}:{line_of(test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site, 'THE CRITIC')}"
+    assert info.value.sink == f"gradient of parameter '0.weight' of the Sequential called at {at}"
+    assert info.value.op == "torch.sqrt"
+
+
+def test_a_submodule_called_on_its_own_is_named_by_its_path_in_the_model_that_holds_it():
+    """A model's head called apart from its body (and the body by itself): a module in the head reads
+    'head.1', as the model's own named_modules() gives it, not '1'."""
+    ampguard.install()
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    model = Model()
+    model(torch.randn(2, 4))  # once whole: the model is known
+    model.head[1].register_forward_hook(lambda m, a, out: out * float("nan"))
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        features = model.body(torch.randn(2, 4))
+        model.head(features).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert info.value.module == "head.1" and info.value.op == "Tensor.mul"
+
+
 class DropoutBatchNorm(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -25,8 +25,13 @@ _LATE = ("  Read at this module call: no optimizer step came between that loss's
          "is the previous batch's. If your loop skips non-finite batches itself, nonfinite='skip' does that for you: "
          "ampguard skips the step and the run goes on.")
 _NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and grad mode, {what} stayed finite: the "
-                   "value did not reproduce. Causes: a nondeterministic kernel, state that the first call changed "
-                   "(a cache, a counter, an input updated in place), or a transient hardware fault.")
+                   "value did not reproduce. Causes: {first}a nondeterministic kernel, state that the first call "
+                   "changed (a cache, a counter, an input updated in place), or a transient hardware fault.")
+# A gradient that the replayed backward makes finite was most often changed after backward(): by code that writes to
+# .grad (gradient surgery, noise, a manual all-reduce or rescale), which no replay of the forward and backward sees.
+_CHANGED_AFTER = ("code that changed the gradient after backward() and before the step (a write to .grad or "
+                  ".grad.data, gradient surgery or noise, a manual all-reduce or rescale), ")
+_BACKWARD_NOT_REPRODUCED = _NOT_REPRODUCED.format(what="the replayed backward", first=_CHANGED_AFTER)
 
 
 def fail(g: _guard.Guard, p: Pending) -> None:
@@ -132,7 +137,7 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
             again = _replayed(fused, p, original)
         if again is not None and _reproduced(p, again):
             return _explain(g, p, fused, window, again, note=_FUSED)
-        return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink),
+        return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink, first=""),
                           "  It stayed finite both on torch's slow path (replayed with torch-function naming) and at "
                           "the dispatch level (the fused fast path, if the call takes one)."])
     return _explain(g, p, session, window, target)
@@ -161,7 +166,7 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
         why = f"it was not replayed: {reason}" if reason else "it was not made by a replayed call"
         return _plain(p, [f"  No origin is known: {why}."])
     if not _reproduced(p, target):
-        lines = [_NOT_REPRODUCED.format(what="the " + p.sink)]
+        lines = [_NOT_REPRODUCED.format(what="the " + p.sink, first="")]
         call = p.call or next((c for c in reversed(window) if type(c) is Call), None)
         if call is not None and call.steps != T.steps:
             lines.append("  An optimizer step was applied after the call, so the replay ran with the updated "
@@ -193,6 +198,30 @@ def _roots(g: _guard.Guard, window: list) -> list:
     return [c.module for c in window if type(c) is Call] + [m for m in known if m is not None]
 
 
+def _module_path(g: _guard.Guard, window: list, root: Any, module: Any) -> str | None:
+    """``module``'s dotted path, from the largest known root that holds the call's root: a LightningModule
+    whose training_step calls ``self.D(x)`` makes a module in D read 'D.0', not '0'."""
+    path = report.module_path(root, module)
+    if path is None:
+        return None
+    root = getattr(root, "_orig_mod", root)  # (a compiled module is the module it compiles, as in module_path)
+    for big in sorted(_roots(g, window), key=lambda m: -sum(1 for _ in m.parameters())):
+        big = getattr(big, "_orig_mod", big)
+        if big is root:
+            break  # (the largest first: nothing larger holds it)
+        prefix = next((name for name, m in big.named_modules() if m is root), None)
+        if prefix:
+            prefix = prefix.replace("._orig_mod", "")
+            return prefix if getattr(module, "_orig_mod", module) is root else f"{prefix}.{path}"
+    return path
+
+
+def _names(g: _guard.Guard, window: list) -> dict[int, str]:
+    """id(parameter or buffer) -> its name in messages (see report.tensor_names)."""
+    sites = {id(c.module): c.site for c in window if type(c) is Call and c.site is not None}
+    return report.tensor_names(_roots(g, window), sites)
+
+
 def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: list, result: dict,
                   kind: str, noted: list[str]) -> NonFiniteError:
     records = session.records
@@ -201,9 +230,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         T.repro_origin = repro.Origin(window, rec.event, result["origin"], "forward",
                                       module=rec.module if rec.module is not rec.root else None, names=session.names)
     label, op = _label(rec)
-    module = report.module_path(rec.root, rec.module)
+    module = _module_path(g, window, rec.root, rec.module)
     own, user_site, user = report.sites(rec.frames, rec.fn)
-    names = report.tensor_names(_roots(g, window))
+    names = _names(g, window)
     lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.", *noted,
              "  Found by replaying the call op by op (same inputs, RNG state, autocast and grad mode)."]
     origin_kinds = report.kinds_words(rec.kinds)
@@ -280,7 +309,7 @@ def _first_bad(params: list, grads: bool) -> Any:
 
 
 def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
-    names = report.tensor_names(_roots(g, window))
+    names = _names(g, window)
     param, grad = _first_bad(p.params, grads=True)
     name = _param_name(names, p.params, param)
     found = replay.kinds(grad) if grad is not None else frozenset({"nan"})
@@ -304,6 +333,8 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
+    elif _BACKWARD_NOT_REPRODUCED in lines:
+        pass  # the replayed backward stayed finite: "the backward pass made it" would be a guess against it
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
                      "or pow at 0, log near 0, division by a small value, the torch.where trick).")
@@ -332,7 +363,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         found = replay.backward_origin(session, loss, params)
     if not found or ("hook" in found and found_kinds is not None):
         # (a hook at scale 1, in GradScaler's check, is judged as the overflow it usually stands in for)
-        return None, None, None, [*how, _NOT_REPRODUCED.format(what="the replayed backward")]
+        return None, None, None, [*how, _BACKWARD_NOT_REPRODUCED]
     if "hook" in found:
         return _hooked(g, window, found, how)
     if found_kinds is not None:
@@ -343,7 +374,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
     function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
     made_in = session.node_module.get(found["node_id"])
-    module = report.module_path(made_in[1], made_in[0]) if made_in is not None else None
+    module = _module_path(g, window, made_in[1], made_in[0]) if made_in is not None else None
     in_module = f" in module '{module}'" if module else ""
     if function is not None:  # a custom autograd.Function: its class, and the backward it defines
         forward = f"{function.__qualname__}.apply"
@@ -364,7 +395,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
 def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any, None, Any, list[str]]:
     """Every op's backward stayed finite and a hook on the parameter (Tensor.register_hook) made its gradient
     non-finite: name the hooks, where each is defined, and the parameter."""
-    names = report.tensor_names(_roots(g, window))
+    names = _names(g, window)
     labels, sites = [], []
     for hook in found["hook"]:
         function = hook if inspect.isfunction(hook) or inspect.ismethod(hook) else type(hook).__call__  # an object
@@ -495,7 +526,7 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
     g.stats.nonfinite_detected += 1
     label = report.op_name(op.func)
     stack = T.eager_stack
-    module = report.module_path(stack[0], stack[-1]) if stack else None
+    module = _module_path(g, T.window, stack[0], stack[-1]) if stack else None
     own, user_site, user = report.sites(op.frames)
     how = f"from the Python number {numbers[0]!r} it was given" if numbers else "from inputs without NaN"
     lines = [f"ampguard: {label} created NaN {how}"

@@ -195,17 +195,32 @@ def module_path(root: Any, module: Any) -> str | None:
     return type(module).__name__
 
 
-def tensor_names(roots: list) -> dict[int, str]:
+def tensor_names(roots: list, sites: dict | None = None) -> dict[int, str]:
     """id(parameter or buffer) -> "parameter 'blocks.0.fc.weight'", named in the root that owns the most.
 
-    A submodule called on its own is a root too; the model that contains it gives the full path.
+    A submodule called on its own is a root too; the model that contains it gives the full path. Roots that
+    share no parameters can give one name twice (a GAN's generator and critic, each a Sequential: '0.weight'):
+    such a name says whose it is, by the root's class and, from ``sites`` (id(root) -> (code, offset) of
+    the user's line that called it), where it was called.
     """
     ordered = sorted({id(r): r for r in roots if r is not None}.values(),
                      key=lambda r: sum(1 for _ in r.parameters()) + sum(1 for _ in r.buffers()))
     names: dict[int, str] = {}
+    owner: dict[int, Any] = {}
     for root in ordered:  # largest last: its names win
         for name, p in root.named_parameters(remove_duplicate=False):
             names[id(p)] = f"parameter '{name}'"
+            owner[id(p)] = root
         for name, b in root.named_buffers(remove_duplicate=False):
             names[id(b)] = f"buffer '{name}'"
+            owner[id(b)] = root
+    givers: dict[str, set] = {}
+    for key, name in names.items():
+        givers.setdefault(name, set()).add(id(owner[key]))
+    for key, name in names.items():
+        if len(givers[name]) > 1:
+            root = owner[key]
+            site = (sites or {}).get(id(root))
+            at = f" called at {site[0].co_filename}:{line_at(*site)}" if site is not None else ""
+            names[key] = f"{name} of the {type(root).__name__}{at}"
     return names

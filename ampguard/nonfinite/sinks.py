@@ -626,9 +626,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
-    known = roots(g)
-    if key not in known:
-        known[key] = weakref.ref(module, lambda _: known.pop(key, None))
+    known_root(g, module)
     if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
@@ -638,6 +636,15 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
 def roots(g: _guard.Guard) -> dict:
     """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
     return g.feature_state("nonfinite_roots", dict)
+
+
+def known_root(g: _guard.Guard, module: Any) -> None:
+    """Name parameters from ``module`` (held weakly): an outermost call's, or the LightningModule whose
+    training_step calls its parts one by one (``self.G(z)``, ``self.D(x)``), which gives them their full names."""
+    known = roots(g)
+    key = id(module)
+    if key not in known:
+        known[key] = weakref.ref(module, lambda _: known.pop(key, None))
 
 
 def _recover() -> None:
@@ -793,9 +800,12 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
-    t = _here.state
+    g = _guard.current(FEATURE)
+    if g is not None:
+        known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
     result = wrapped(*args, **kwargs)
-    if t.tape is not None and _guard.current(FEATURE) is not None and not t.eager:
+    t = _here.state
+    if t.tape is not None and not t.eager and _guard.current(FEATURE) is not None:
         end_tape(t)
     return result
 
