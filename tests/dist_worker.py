@@ -4,6 +4,7 @@
 so a scenario costs one interpreter start-up and stays within a few seconds.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -213,7 +214,76 @@ def skip_together(rank, ddp):
 SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
              "ddp_unused_nan_origin": ddp_unused_nan_origin,
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
-             "skip_replicas": lambda rank: skip_together(rank, False)}
+             "skip_replicas": lambda rank: skip_together(rank, False),
+             "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1")}
+
+
+class Blocks(torch.nn.Module):
+    """Residual MLP blocks, each its own FSDP unit; ``poison``: the block after which a log(-1) is added."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)) for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+        self.poison = None
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = x + block(x)
+            if i == self.poison:
+                x = x + torch.log(x - x - 1)  # FSDP POISON
+        return self.head(x)
+
+
+def _fsdp_run(rank, kind, trace=None, poison=None):
+    """Four AdamW steps of Blocks sharded by FSDP2 (fully_shard) or FSDP1 (use_orig_params), with clipping."""
+    import ampguard
+
+    model = Blocks()
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        sharded = fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        sharded = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    losses = []
+    guard = ampguard.guard(trace=trace) if trace is not None else contextlib.nullcontext()
+    with guard:
+        for i in range(4):
+            model.poison = 1 if i == 2 and rank in (poison or ()) else None
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i))
+            loss = sharded(x).pow(2).mean()
+            loss.backward()
+            if kind == "fsdp2":
+                torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
+            else:
+                sharded.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def fsdp(rank, kind):
+    """Clean runs train as without the guard; a NaN on one rank is reported on both, truthfully, with no hang."""
+    import ampguard
+
+    out = {"identical": _fsdp_run(rank, kind) == _fsdp_run(rank, kind, trace="replay")}
+    for trace, poison in (("replay", (1,)), ("eager", (0, 1))):
+        try:
+            _fsdp_run(rank, kind, trace=trace, poison=poison)
+            out[trace] = None
+        except ampguard.NonFiniteError as err:
+            out[trace] = {"sink": err.sink, "op": err.op, "message": str(err),
+                          "line": err.origin[-1].line if err.origin else None}
+    return out
 
 
 def worker(rank, scenario, port, out_dir):

@@ -193,3 +193,23 @@ def test_a_nan_in_training_step_under_a_lightning_ddp_strategy_is_replayed_throu
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["replayed"] and result["op"] == "torch.log" and result["line"].endswith("# POISON")
     assert result["logged"] == 3  # training_step ran for two batches, and once more in the replay of the second
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_fsdp_trains_unchanged_and_a_nan_is_reported_truthfully_on_every_rank(python, kind):
+    """FSDP2 (fully_shard, DTensor parameters) and FSDP1 (flat parameters) on 2 gloo ranks. A forward under FSDP
+    cannot be replayed on one rank (its all-gathers would hang the other), and the message says so and what works:
+    trace='eager', which then names the op (it once blamed the uninitialised all-gather buffers FSDP allocates)."""
+    r0, r1 = run_ranks(python, kind)
+    assert r0["identical"] and r1["identical"]
+    origin, other = r1["replay"], r0["replay"]  # the NaN is made on rank 1; rank 0 gets it through the gradients
+    assert origin["sink"] == "loss" and origin["op"] is None
+    assert "it runs FSDP's collectives in its forward" in origin["message"]
+    assert "trace='eager'" in origin["message"]
+    assert other["sink"].startswith("gradient of parameter 'blocks.") and other["op"] is None
+    assert "could not replay" not in other["message"] and "freed before the check" not in other["message"]
+    assert "another rank's non-finite gradients reach this rank's too" in other["message"]
+    if kind == "fsdp2":
+        assert "in this rank's shard" in other["message"]
+    for r in (r0, r1):
+        assert r["eager"]["op"] == "torch.log" and r["eager"]["line"].endswith("# FSDP POISON"), r["eager"]

@@ -355,7 +355,9 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
             outs = [replay.replayed_output(session, call, k) for _, k in call.outputs]
             outs = [o for o in outs if o is not None and o.grad_fn is not None]
             if not outs:
-                return None, None, None, ["  No origin is known: the replayed forward made no graph."]
+                reason = next(iter(session.unreplayed.values()), None)
+                why = f"it was not replayed: {reason}" if reason else "the replayed forward made no graph"
+                return None, None, None, [f"  No origin is known: {why}."]
             loss = sum((o.float().sum() for o in outs), sinks._torch.zeros(()))
             how = ["  (The loss code was not recorded, so the replayed backward started from the model's output "
                    "with a gradient of ones, not the original one.)"]
@@ -509,6 +511,8 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
     """trace='eager': stop at the op that made a NaN from inputs without one, as it runs."""
     __tracebackhide__ = True
     torch = sinks._torch
+    if getattr(op.func, "__name__", None) in sinks.UNINITIALIZED:
+        return
     with torch._C.DisableTorchFunction():
         bad = [o for o, _ in outs if bool(torch.isnan(o).any())]
         if not bad:

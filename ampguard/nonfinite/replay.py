@@ -125,9 +125,10 @@ class Session:
         if module is None:
             module = root  # an op of the root's own forward (the replay calls it without _call_impl)
         name = _aten_name(func)
+        written = name.partition(".")[2] not in sinks.UNINITIALIZED  # (else: no op made its bits)
         for o in outputs:
             index = len(self.records)
-            found = kinds(o) if o.numel() else frozenset()
+            found = kinds(o) if o.numel() and written else frozenset()
             if found and len(self.alive) < 4096:
                 self.alive.append(o)
             record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
@@ -205,8 +206,11 @@ def unsafe(call: Call) -> str | None:
         if getattr(m, "ampguard_replay", True) is False:
             return f"module '{type(m).__name__}' opts out (ampguard_replay = False)"
         names = {c.__name__ for c in type(m).__mro__}
-        if names & {"FullyShardedDataParallel", "FSDPModule"}:
-            return "it runs FSDP's collectives in its forward; re-running it on one rank would hang the others"
+        if names & {"FullyShardedDataParallel", "FSDPModule"} or \
+                any(getattr(p, "_fsdp_flattened", False) for p in m.parameters(recurse=False)):  # (FSDP1's inner module)
+            return ("it runs FSDP's collectives in its forward; re-running it on one rank would hang the others. "
+                    "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay: it names the op "
+                    "under FSDP, in a slower run")
         if "SyncBatchNorm" in names and m.training and _distributed():
             return "SyncBatchNorm all-reduces in its forward; re-running it on one rank would hang the others"
     return None

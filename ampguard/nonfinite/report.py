@@ -72,6 +72,7 @@ def describe_tensor(tensor: Any) -> str:
         return "freed before the check: no element counts"
     with torch._C.DisableTorchFunction():
         t = tensor.detach()
+        shard = " in this rank's shard" if type(t).__name__ == "DTensor" else ""  # (stored() reads the local shard)
         sparse, dtype = t.layout is not torch.strided, t.dtype
         shape, layout = tuple(t.shape), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
         what = ("stored " if sparse else "") + ("real and imaginary part" if t.is_complex() else "element")
@@ -81,7 +82,7 @@ def describe_tensor(tensor: Any) -> str:
         neg = int(torch.isneginf(t).sum())
         finite = t[torch.isfinite(t)]
         text = f"shape {shape}, {dtype}{layout}; {nan} NaN, {pos} +Inf, {neg} -Inf of {t.numel()} " \
-            f"{what}{'s' if t.numel() != 1 else ''}"
+            f"{what}{'s' if t.numel() != 1 else ''}{shard}"
         if finite.numel():
             amax = float(finite.abs().max())
             limit = _LIMITS.get(str(t.dtype))

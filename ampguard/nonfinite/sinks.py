@@ -68,6 +68,10 @@ _SKIP_NAMES = frozenset({
     "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride", "is_floating_point",
     "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "clone", "cpu", "numpy",
 })
+# Ops that hand out memory without writing it (FSDP's all-gather buffers, a preallocated output): whatever bits it
+# held, NaN among them, were made by no op. Neither trace='eager' nor a replay judges what they return.
+UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted",
+                           "resize_", "resize_as_"})
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _autocast_devices: tuple = ()  # those this torch build knows, found once when the hooks switch on
 
@@ -217,10 +221,14 @@ T: Any = _ThisThread()
 
 
 def stored(tensor: Any) -> Any:
-    """What ``tensor`` stores, as a strided real tensor with the same non-finite elements: a sparse tensor's
-    values (the gradient of an ``Embedding(sparse=True)``), whose implicit zeros are finite; a complex
+    """What ``tensor`` stores here, as a strided real tensor with the same non-finite elements: a DTensor's local
+    shard; a sparse tensor's values (the gradient of an ``Embedding(sparse=True)``), whose implicit zeros are finite; a complex
     tensor's real and imaginary parts. torch's norms take neither as they are."""
     torch = _torch
+    if type(tensor) is not _Tensor and type(tensor).__name__ == "DTensor":
+        # FSDP2's sharded parameters and gradients: this rank's shard. Reading the whole would be a collective,
+        # which one rank alone (a failure path) must never start: the others would wait for it forever.
+        tensor = tensor.to_local()
     layout = tensor.layout
     if layout is not torch.strided:
         tensor = tensor._values() if layout is torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
