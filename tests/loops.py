@@ -172,8 +172,9 @@ def gan_class(L, overflow_at=(), nan_in_critic_at=None):
             opt_d.step()
             self.untoggle_optimizer(opt_d)
             self.toggle_optimizer(opt_g)
-            g_loss = torch.nn.functional.softplus(-self.D(fake).float()).mean() * 1e-3  # no fp16 overflow at GradScaler's
-            # default initial scale: the 16-mixed runs skip only the steps a test makes overflow
+            # (* 1e-3: no fp16 overflow at GradScaler's default initial scale; 16-mixed runs skip only the steps a
+            # test makes overflow)
+            g_loss = torch.nn.functional.softplus(-self.D(fake).float()).mean() * 1e-3
             opt_g.zero_grad()
             self.manual_backward(g_loss)
             opt_g.step()

@@ -460,7 +460,8 @@ def test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_
         score = D(fake.detach())  # THE CRITIC
         (score - score.detach()).abs().sqrt().sum().backward()  # sqrt at 0: an infinite gradient, NaN after
         opt_d.step()
-    at = f"{__file__}:{line_of(test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site, 'THE CRITIC')}"
+    test = test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site
+    at = f"{__file__}:{line_of(test, 'THE CRITIC')}"
     assert info.value.sink == f"gradient of parameter '0.weight' of the Sequential called at {at}"
     assert info.value.op == "torch.sqrt"
 

@@ -206,8 +206,8 @@ def unsafe(call: Call) -> str | None:
         if getattr(m, "ampguard_replay", True) is False:
             return f"module '{type(m).__name__}' opts out (ampguard_replay = False)"
         names = {c.__name__ for c in type(m).__mro__}
-        if names & {"FullyShardedDataParallel", "FSDPModule"} or \
-                any(getattr(p, "_fsdp_flattened", False) for p in m.parameters(recurse=False)):  # (FSDP1's inner module)
+        flat = any(getattr(p, "_fsdp_flattened", False) for p in m.parameters(recurse=False))  # FSDP1's inner module
+        if names & {"FullyShardedDataParallel", "FSDPModule"} or flat:
             return ("it runs FSDP's collectives in its forward; re-running it on one rank would hang the others. "
                     "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay: it names the op "
                     "under FSDP, in a slower run")

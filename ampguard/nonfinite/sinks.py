@@ -222,8 +222,8 @@ T: Any = _ThisThread()
 
 def stored(tensor: Any) -> Any:
     """What ``tensor`` stores here, as a strided real tensor with the same non-finite elements: a DTensor's local
-    shard; a sparse tensor's values (the gradient of an ``Embedding(sparse=True)``), whose implicit zeros are finite; a complex
-    tensor's real and imaginary parts. torch's norms take neither as they are."""
+    shard; a sparse tensor's values (the gradient of an ``Embedding(sparse=True)``), whose implicit zeros are
+    finite; a complex tensor's real and imaginary parts. torch's norms take none of them as they are."""
     torch = _torch
     if type(tensor) is not _Tensor and type(tensor).__name__ == "DTensor":
         # FSDP2's sharded parameters and gradients: this rank's shard. Reading the whole would be a collective,
