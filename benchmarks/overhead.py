@@ -51,6 +51,9 @@ CONFIGS = {
     "nonfinite='skip'": lambda: ampguard.guard(nonfinite="skip"),
     "detect_anomaly(check_nan=True)": lambda: torch.autograd.detect_anomaly(check_nan=True),
 }
+# On a GPU: plain with one host-device sync after each step, what ampguard's one read a step costs by itself (the
+# host can no longer run ahead of the GPU), apart from ampguard's own host time. Not a guard: measure() syncs.
+PLAIN_SYNCED = "plain + one sync a step"
 
 
 # -- workloads: each returns step() ------------------------------------------------------------
@@ -245,12 +248,15 @@ def measure(step, configs, reps, steps):
         step()
     for _ in range(reps):
         for name in configs:
-            with CONFIGS[name]():
+            synced = name == PLAIN_SYNCED
+            with CONFIGS.get(name, contextlib.nullcontext)():
                 step()  # warm this configuration
                 _sync()
                 start = time.perf_counter()
                 for _ in range(steps):
                     step()
+                    if synced:
+                        _sync()
                 _sync()
                 times[name].append((time.perf_counter() - start) / steps)
     return times
@@ -399,18 +405,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {DEVICE}, {reps} interleaved reps, "
           f"{torch.get_num_threads()} torch thread(s)")
-    every = list(CONFIGS)
+    every = list(CONFIGS) + ([PLAIN_SYNCED] if DEVICE == "cuda" else [])
     small = [name for name in every if not name.startswith("detect_anomaly")]  # anomaly mode has no AMP loop here
+    fits = [name for name in small if name != PLAIN_SYNCED]  # (a fit's steps are Lightning's: no sync between them)
     if "tiny" in only:
         show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)",
              measure(tiny(), small, reps, 20 if q else 200))
     if "lightning" in only:
         show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)",
-             measure_fit(lightning_fit(), small, reps,
+             measure_fit(lightning_fit(), fits, reps,
                          12 if q else 120))
     if "lightning-log" in only:
         show("Lightning Trainer.fit, one Linear, batch 2, training_step logs the loss and the LR (self.log)",
-             measure_fit(lightning_fit(log=True), small, reps, 12 if q else 120))
+             measure_fit(lightning_fit(log=True), fits, reps, 12 if q else 120))
     if "mlp" in only:
         show("wide MLP, 3 x Linear(2048, 2048), batch 8, SGD momentum (12.6M parameters)",
              measure(wide_mlp(64) if q else wide_mlp(), every, reps, 2 if q else 10))
@@ -432,7 +439,7 @@ def main() -> None:
     if "gpt2-small" in only:
         step = gpt(layers=12, d=768, heads=12, batch=8, seq=1024, vocab=50304, amp=True)
         show("GPT-2 small (12 x 768, seq 1024, batch 8), fp16 autocast + GradScaler",
-             measure(step, ["plain", "install() (default)"], reps, 10))
+             measure(step, ["plain", PLAIN_SYNCED, "install() (default)"], reps, 10))
         print(f"  one replay on failure (NaN in blocks.1.mlp): {replay_time(step) * 1e3:.0f} ms")
 
 
