@@ -448,6 +448,42 @@ def test_a_gradient_changed_after_backward_is_not_blamed_on_the_backward_pass():
     assert "the backward pass made it" not in message
 
 
+class PaddedEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, ids, pad):
+        h = self.emb(ids)
+        a, _ = self.attn(h, h, h, key_padding_mask=pad)  # PADDED ATTENTION
+        return self.out(a).squeeze(-1)
+
+
+def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not_blamed_on_the_backward():
+    """A sequence that is all padding: its attention row is softmax over nothing but -inf, NaN. The loss leaves the
+    padded positions out, so it is finite, but the output layer's backward multiplies their zero gradients by the
+    NaN activations it saved: NaN gradients, which no backward op made."""
+    ampguard.install()
+    model = PaddedEncoder()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(0))
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[2] = True
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        out = model(ids, pad)
+        out[~pad].pow(2).mean().backward()
+        opt.step()
+    message = str(info.value)
+    assert info.value.sink.startswith("gradient of parameter ") and info.value.module == "attn"
+    assert "The forward made it:" in message and "It became NaN in aten._softmax" in message
+    assert "the backward of MmBackward0 met it among the values the forward saved" in message
+    assert "the backward pass made it" not in message
+    assert info.value.origin[-1].line.endswith("# PADDED ATTENTION")
+
+
 def test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site():
     """A GAN's generator and critic, both Sequential: '0.weight' alone would not say whose gradient failed."""
     ampguard.install()

@@ -32,6 +32,7 @@ _NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and gra
 _CHANGED_AFTER = ("code that changed the gradient after backward() and before the step (a write to .grad or "
                   ".grad.data, gradient surgery or noise, a manual all-reduce or rescale), ")
 _BACKWARD_NOT_REPRODUCED = _NOT_REPRODUCED.format(what="the replayed backward", first=_CHANGED_AFTER)
+_FORWARD_MADE = "  The forward made it:"  # a backward node met a non-finite value its forward saved (0 x NaN)
 
 
 def fail(g: _guard.Guard, p: Pending) -> None:
@@ -333,8 +334,8 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
-    elif _BACKWARD_NOT_REPRODUCED in lines:
-        pass  # the replayed backward stayed finite: "the backward pass made it" would be a guess against it
+    elif _BACKWARD_NOT_REPRODUCED in lines or any(line.startswith(_FORWARD_MADE) for line in lines):
+        pass  # the replayed backward stayed finite, or the forward made it: "the backward pass made it" would be false
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
                      "or pow at 0, log near 0, division by a small value, the torch.where trick).")
@@ -370,6 +371,9 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         return _hooked(g, window, found, how)
     if found_kinds is not None:
         found_kinds.update(found["kinds"])
+    made = replay.first_made(session) if found.get("saved") else None
+    if made is not None:
+        return _made_in_forward(g, window, session, made, found, how)
     event = session.node_event.get(found["node_id"])
     if g.options.repro_dir is not None and event is not None:
         T.repro_origin = repro.Origin(window, event, None, "backward")
@@ -392,6 +396,34 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, [*lines, *how]
+
+
+def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, made: int, found: dict,
+                     how: list) -> tuple[Any, str | None, Any, list[str]]:
+    """The backward node met a non-finite value the forward saved for it: the forward made it (a fully masked
+    attention row, a padded position), and the loss never used it, so the loss is finite. Name that op."""
+    walked = replay.walk(session, made)
+    rec = session.records[walked["origin"]]
+    label, op = _label(rec)
+    module = _module_path(g, window, rec.root, rec.module)
+    own, user_site, user = report.sites(rec.frames, rec.fn)
+    in_module = f" in module '{module}'" if module else ""
+    node = found["node"]
+    lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} (inputs finite){in_module} at"
+             f"\n    {report.where(own)}"]
+    if user_site is not None and user_site != own:
+        lines.append(f"  called from your code at\n    {report.where(user_site)}")
+    if walked["transition"] is not None:
+        t_rec = session.records[walked["transition"]]
+        t_label, _ = _label(t_rec)
+        t_own, _, _ = report.sites(t_rec.frames, t_rec.fn)
+        lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
+    lines.append(f"  The loss did not use that value (a masked, padded or dropped position, say), so it stayed finite; "
+                 f"the backward of {node} met it among the values the forward saved, and finite gradients times it "
+                 f"gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). Keep the value finite where it is "
+                 "made (a fully masked attention row: mask with a large negative number, or give such rows one "
+                 "unmasked key).")
+    return op, module, report.stack_summary(user) if user else None, [*lines, *how]
 
 
 def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any, None, Any, list[str]]:
@@ -452,8 +484,10 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
             "them, and without this check the scale would collapse.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
             "without scaling the loss."]
-    tail = ["  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt or pow "
-            "at 0, log near 0, division by a small value, the torch.where trick). This check runs after "
+    made_by = "the forward made it (above)" if any(line.startswith(_FORWARD_MADE) for line in lines) else \
+        "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, division " \
+        "by a small value, the torch.where trick)"
+    tail = [f"  The loss was finite: {made_by}. This check runs after "
             f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
     error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, module=module, origin=origin)
     if g.options.repro_dir is not None:

@@ -556,14 +556,15 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
             if any(bad) and not any(kinds(g) for g in incoming):
                 stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
                 found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []),
-                             node_id=id(node), function=getattr(node, "_forward_cls", None))
+                             node_id=id(node), function=getattr(node, "_forward_cls", None),
+                             saved=_saved_non_finite(node))
 
         handles.append(node.register_hook(hook))
     inputs = [p for p in params if p.requires_grad]
     grads: tuple = ()
     try:
-        if inputs:
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        if inputs:  # (the graph retained: a hook reads the node's saved forward values after it ran)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
@@ -575,6 +576,28 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
         if bad and hooks:
             return {"hook": list(hooks.values()), "param": param, "kinds": bad}
     return None
+
+
+def _saved_non_finite(node: Any) -> bool:
+    """Whether a forward value the node saved for its backward is non-finite (NaN, +Inf): then finite gradients
+    became non-finite by meeting it (0 x NaN), and the value came from the forward."""
+    torch = sinks._torch
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # (freed, or saved in a form without a Python view)
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() and \
+                        kinds(t) - {"-inf"}:
+                    return True
+    return False
+
+
+def first_made(session: Session) -> int | None:
+    """The first replayed forward op whose output holds NaN or +Inf, if any (-Inf alone is a mask's)."""
+    return next((i for i, rec in enumerate(session.records) if rec.kinds - {"-inf"}), None)
 
 
 def _nodes(root: Any) -> list:
