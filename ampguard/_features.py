@@ -9,7 +9,7 @@ installed, and no module below imports one above it.
 
 from __future__ import annotations
 
-from . import lightning, lints, nonfinite, schedulers, warning_sites  # noqa: F401  (each declares its targets)
+from . import _compiling, lightning, lints, nonfinite, schedulers, warning_sites  # noqa: F401  (each declares its targets)
 from ._guard import Guard, Stats, active, guard, install, uninstall
 
 __all__ = ["Guard", "Stats", "active", "guard", "install", "uninstall"]

@@ -36,6 +36,18 @@ log = logging.getLogger("ampguard")
 _MISSING = object()
 
 
+class Wrapper(wrapt.FunctionWrapper):
+    """wrapt's FunctionWrapper of a module's function, which torch.compile traces as the function it wraps (see
+    ``_compiling``)."""
+
+    @property
+    def _torchdynamo_inline(self) -> Any:
+        original = self.__wrapped__
+        while isinstance(original, wrapt.FunctionWrapper):
+            original = original.__wrapped__
+        return original
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One patched method: what it wraps, why, and which import triggers it."""
@@ -63,7 +75,7 @@ class Switch:
     """
 
     module: str
-    feature: str
+    feature: str | None  # None: on while ampguard is installed, whatever the features
     on: Callable[[], Callable[[], None]]
     why: str
 
@@ -171,7 +183,8 @@ class Registry:
     def _update_switches(self) -> None:
         for switch in self._switches:
             key = id(switch)
-            wanted = switch.feature in self._features and switch.module in sys.modules
+            wanted = (switch.feature in self._features or (switch.feature is None and self.installed)) and \
+                switch.module in sys.modules
             if wanted and key not in self._switched_on:
                 self._switched_on[key] = switch.on()
             elif not wanted and key in self._switched_on:
@@ -238,7 +251,10 @@ class Registry:
             if reason is not None:
                 _warn_untouched(cls, target, reason, original)
                 return
-        replacement = wrapt.FunctionWrapper(original, target.wrapper)
+        # A module's function is traced by torch.compile as the original (a class's method is bound first: dynamo
+        # would call the original unbound)
+        kind = Wrapper if isinstance(cls, types.ModuleType) else wrapt.FunctionWrapper
+        replacement = kind(original, target.wrapper)
         # Recorded first: an interrupt between the two leaves a record uninstall() resolves, never a
         # replaced attribute nobody knows about.
         self._records[key] = _Record(weakref.ref(cls), target.name, original, replacement)

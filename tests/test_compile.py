@@ -203,3 +203,79 @@ def test_eager_backend_compiled_function_runs_its_ops_through_the_tracer():
         opt.step()
     assert info.value.op == "torch.sqrt"
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+
+
+# a compiled function that calls the model (not a compiled module): module calls, the loss, clipping and the loss
+# scaling are traced inside it ------------------------------------------------------------------------------------
+def _compiled_steps(guarded, body, steps=4):
+    """Four AdamW steps whose forward, loss and ``body`` run inside one inductor-compiled function; the parameters,
+    the losses, and dynamo's graph breaks and graphs."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    step = torch.compile(lambda x: body(model, scaler, x), backend="inductor")
+    losses = []
+    with ampguard.guard() if guarded else torch.autograd.set_grad_enabled(True):
+        for i in range(steps):
+            loss = step(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)))
+            losses.append(loss.item())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    breaks = {reason.split("\n")[0]: n for reason, n in counters["graph_break"].items()}
+    return [p.detach().clone() for p in model.parameters()], losses, breaks, counters["stats"]["unique_graphs"]
+
+
+def _forward_backward(model, scaler, x):
+    loss = model(x).pow(2).mean()
+    scaler.scale(loss).backward()
+    return loss
+
+
+def _forward_clip(model, scaler, x):
+    loss = model(x).pow(2).mean()
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e3)  # (the scaled gradients: the same in both runs)
+    return loss
+
+
+@pytest.mark.parametrize("body", [_forward_backward, _forward_clip], ids=["forward-scale-backward", "clip"])
+def test_a_compiled_training_function_compiles_and_trains_exactly_as_without_ampguard(body):
+    """ampguard once split such a graph (its module hook broke it: the run's numbers moved by an ulp), compiled its
+    own wrappers as graphs (with dynamo's warnings pointing into ampguard), and crashed dynamo at a patched
+    clip_grad_norm_ ("Guard failed on the same frame it was created")."""
+    plain = _compiled_steps(False, body)
+    ampguard.install()
+    guarded = _compiled_steps(True, body)
+    assert all(torch.equal(p, q) for p, q in zip(plain[0], guarded[0], strict=True))
+    assert plain[1] == guarded[1]
+    assert guarded[2:] == plain[2:]  # the same graph breaks (the backward's own), the same number of graphs
+
+
+def test_a_nan_in_a_compiled_training_function_is_still_stopped_before_the_step():
+    """The module call ran inside the compiled function, where ampguard records nothing: the loss is still
+    checked at backward(), which runs outside the graph, and the step is not taken."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    before = model.weight.detach().clone()
+
+    @torch.compile(backend="aot_eager")
+    def step(x):
+        loss = torch.log(model(x).pow(2).mean() - 1e9)  # NaN
+        loss.backward()
+        return loss
+
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        loss = step(torch.randn(8, 4))
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    message = str(info.value)
+    assert info.value.sink == "loss" and "NaN" in message.splitlines()[0]
+    assert "the loss was made inside a torch.compile'd function" in message  # and what to do about it
+    assert "torch.compile(model)" in message
+    assert torch.equal(model.weight, before)
+    del loss

@@ -95,6 +95,8 @@ def _enter(module: Any, frame: Any) -> int:
 
 
 def _eager_pop(module: Any, args: Any, output: Any) -> None:
+    if sinks._is_compiling():
+        return  # (see outermost._compiling)
     stack = sinks.T.eager_stack
     if stack and stack[-1] is module and len(stack) > 1:
         stack.pop()

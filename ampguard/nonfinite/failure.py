@@ -6,6 +6,7 @@ import inspect
 import logging
 import math
 import re
+import sys
 import weakref
 from typing import Any
 
@@ -115,6 +116,12 @@ def _plain(p: Pending, lines: list[str], kind: str | None = None) -> NonFiniteEr
     return NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=p.sink)
 
 
+def _compiled_graph(tensor: Any) -> bool:
+    """Whether ``tensor`` was made by a graph torch.compile made (AOTAutograd's node is its autograd node)."""
+    node = getattr(tensor, "grad_fn", None)
+    return node is not None and node.name().startswith("CompiledFunction")
+
+
 def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
     if g.options.trace == "off":
         return _plain(p, ["  No origin is known (tracing is off: trace='off'); run with trace='replay' (the "
@@ -124,8 +131,18 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
     if reason is not None:
         return _plain(p, [f"  No origin is known: the call was not replayed, because {reason}."])
     if p.call is None and (p.ref is None or p.ref.event < 0):
-        return _plain(p, ["  No origin is known: the loss was not computed from a module call ampguard saw (it "
-                          "checks the outermost module calls and the loss code that follows them)."])
+        loss = p.ref.ref() if isinstance(p.ref, sinks.Ref) else None  # (the sink holds it detached)
+        if _compiled_graph(loss):
+            return _plain(p, ["  No origin is known: the loss was made inside a torch.compile'd function, whose "
+                              "module calls ampguard does not see (they are one compiled graph). Compile the "
+                              "model instead (torch.compile(model): its calls are seen and replayed eagerly), or "
+                              "run the step uncompiled, to have the op named."])
+        lines = ["  No origin is known: the loss was not computed from a module call ampguard saw (it checks the "
+                 "outermost module calls and the loss code that follows them)."]
+        if "torch._dynamo" in sys.modules:  # (torch.compile was used in this process)
+            lines.append("  Module calls inside a torch.compile'd function are not seen: compile the model instead "
+                         "(torch.compile(model)), or run the step uncompiled, to have the op named.")
+        return _plain(p, lines)
     session = replay.Session()
     with replay.untouched(window):
         replay.run_window(session, window)

@@ -32,6 +32,11 @@ from .._guard import PerThread
 
 _lock = threading.Lock()
 NOT_OUTERMOST, OUTERMOST, OUTERMOST_KEEP_HOOKS = 0, 1, 2
+# torch.compiler.is_compiling once the hooks are on. While dynamo traces a module call inside a compiled function,
+# the hooks return at once: dynamo folds this call to True, and nothing of ampguard's enters the graph (a graph
+# break there would split it, and change the run's numbers). See ampguard._compiling.
+def _compiling() -> bool:
+    return False
 
 
 class _Hooks:
@@ -72,9 +77,12 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
     """Register the global pre-hook; ``enter(module, frame)`` says whether a call is outermost,
     ``exit(module, args, kwargs, output)`` ends one, ``nested(module)`` sees calls inside one while
     the hooks are on (trace='eager')."""
+    import torch
     from torch.nn.modules import module as nn_module
     from torch.utils.hooks import RemovableHandle
 
+    global _compiling
+    _compiling = torch.compiler.is_compiling  # type: ignore[assignment]
     with _lock:
         H.generation += 1
         H.enter, H.exit, H.nested = enter, exit, nested
@@ -165,6 +173,8 @@ def recover() -> bool:
 # -- the hooks ----------------------------------------------------------------------------------
 @fail_safe("nonfinite")
 def _global_pre(module: Any, args: Any) -> None:
+    if _compiling():
+        return
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     local = _here.state
     if local.root is not None:
@@ -194,6 +204,8 @@ def _open(module: Any, frame: Any, mode: int) -> None:
 
 @fail_safe("nonfinite")
 def _instance_pre(module: Any, args: Any) -> None:
+    if _compiling():
+        return
     __tracebackhide__ = True
     local = _here.state
     if module is not local.root:
@@ -208,6 +220,8 @@ def _instance_pre(module: Any, args: Any) -> None:
 
 @fail_safe("nonfinite")
 def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    if _compiling():
+        return
     __tracebackhide__ = True
     local = _here.state
     if module is not local.root:

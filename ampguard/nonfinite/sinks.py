@@ -477,6 +477,8 @@ def enter(module: Any, frame: Any) -> int:
     g = _guard.current(FEATURE)
     if g is None or _graph_task_id() != -1 or _in_worker():
         return outermost.NOT_OUTERMOST  # a checkpoint's re-run in backward, or a DataLoader worker
+    if _compiled_graph_call(module, frame):
+        return outermost.NOT_OUTERMOST
     if kind(module) == "wrapper":
         # DDP/FSDP/Lightning's wrapper, whose module is the outermost user call. DDP that looks for unused
         # parameters hands that call's outputs back through an identity Function (see _passed_through).
@@ -516,6 +518,14 @@ def enter(module: Any, frame: Any) -> int:
         return outermost.OUTERMOST_KEEP_HOOKS
     t.eager = False
     return outermost.OUTERMOST
+
+
+def _compiled_graph_call(module: Any, frame: Any) -> bool:
+    """torch.compile's runtime running one of its graphs: an fx GraphModule (the aot_eager and eager backends run
+    them as modules) called from torch's frames alone. It is not a user's call, and cannot be replayed: its
+    inputs are a list that the runtime empties as it goes. A GraphModule the user's code calls is a user call."""
+    fx = sys.modules.get("torch.fx.graph_module")
+    return fx is not None and isinstance(module, fx.GraphModule) and first_user(frame, 8) is None
 
 
 def _on_a_device(pending: list) -> bool:
