@@ -320,6 +320,28 @@ def test_lightning_1x_signature_is_left_untouched_with_the_reason(L):
     assert (ours[0].filename, ours[0].lineno) == (code.co_filename, code.co_firstlineno)  # the method itself
 
 
+def test_every_1x_class_is_warned_about_even_when_it_reuses_a_freed_classs_id(L):
+    """Classes defined in a loop (a notebook cell run again, a test's parametrisation) are freed and their ids
+    reused: the warning once keyed by id() was given for the first class only."""
+    import gc
+
+    ampguard.install()
+    warned = 0
+    for _ in range(10):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            class Old(L.LightningModule):
+                def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu,
+                                   using_native_amp, using_lbfgs):
+                    optimizer.step(closure=optimizer_closure)
+
+        warned += any("Lightning 1.x's" in str(w.message) for w in caught)
+        del Old
+        gc.collect()
+    assert warned == 10
+
+
 def test_a_1x_class_defined_before_lightning_was_patched_is_warned_about_at_its_method(python, tmp_path):
     other = tmp_path / "old_model.py"
     other.write_text(
