@@ -24,7 +24,6 @@ So:
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import types
@@ -46,21 +45,22 @@ def keep_out_of_graphs() -> Callable[[], None]:
         # as the originals; only frames of ampguard's own may then be compiled.
         log.debug("ampguard: torch._dynamo.eval_frame.skip_code was not found; ampguard's frames are not marked")
         return _stays
+    global _marked
     if not _marked:  # (once: every module that runs under a guard is imported by then, and marks stay)
         for code in _codes():
             skip(code)
-            _marked.append(code)
+        _marked = True
     return _stays
 
 
-_marked: list = []  # the code objects marked
+_marked = False  # ampguard's code objects are marked
 
 
 def _codes() -> Iterator[types.CodeType]:
     """Every code object of ampguard's imported modules: functions, methods, properties, and the functions,
     lambdas and classes defined inside them (constants of their code)."""
     seen: set[int] = set()
-    stack: list[Any] = [m for name, m in list(sys.modules.items()) if name.partition(".")[0] == "ampguard"]
+    stack: list[Any] = [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType) and _ours(m)]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
@@ -77,15 +77,13 @@ def _codes() -> Iterator[types.CodeType]:
             stack.append(obj.__func__)
         elif isinstance(obj, property):
             stack.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
-        elif isinstance(obj, functools.cached_property):
-            stack.append(obj.func)
         elif isinstance(obj, types.FunctionType):
             stack.append(obj.__code__)
 
 
 def _ours(value: Any) -> bool:
-    module = getattr(value, "__module__", None) if not isinstance(value, types.ModuleType) else value.__name__
-    return isinstance(module, str) and (module == "ampguard" or module.startswith("ampguard."))
+    module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return isinstance(module, str) and module.partition(".")[0] == "ampguard"
 
 
 def _stays() -> None:

@@ -36,6 +36,11 @@ _BACKWARD_NOT_REPRODUCED = _NOT_REPRODUCED.format(what="the replayed backward", 
 _FORWARD_MADE = "  The forward made it:"  # a backward node met a non-finite value its forward saved (0 x NaN)
 
 
+def _forward_made(lines: list[str]) -> bool:
+    """Whether _replay_backward's lines name a forward op (see _made_in_forward), not a backward one."""
+    return bool(lines) and lines[0].startswith(_FORWARD_MADE)
+
+
 def fail(g: _guard.Guard, p: Pending) -> None:
     """Count, explain and raise (or warn once per sink and module) for the failed sink ``p``."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
@@ -211,6 +216,12 @@ def _label(rec: replay.OpRecord) -> tuple[str, str]:
     return rec.name, rec.name
 
 
+def _became(rec: replay.OpRecord) -> str:
+    """The line for the op where the value changed kind (-Inf became NaN)."""
+    own, _, _ = report.sites(rec.frames, rec.fn)
+    return f"  It became {report.kinds_words(rec.kinds)} in {_label(rec)[0]} at\n    {report.where(own)}"
+
+
 def _roots(g: _guard.Guard, window: list) -> list:
     known = [ref() for ref in sinks.roots(g).values()]
     return [c.module for c in window if type(c) is Call] + [m for m in known if m is not None]
@@ -280,10 +291,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {rec.shape}, {rec.dtype}")
     if result["transition"] is not None:
-        t_rec = records[result["transition"]]
-        t_label, _ = _label(t_rec)
-        t_own, _, _ = report.sites(t_rec.frames, t_rec.fn)
-        lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
+        lines.append(_became(records[result["transition"]]))
     masks = result["masks"]
     if masks:
         mask_names = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else
@@ -338,6 +346,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
              f"  {sink}: {report.describe_tensor(grad)}"]
     op = None
     origin = None
+    more: list[str] = []  # what the replayed backward found
     if g.options.trace == "off":
         lines.append("  No origin is known (trace='off').")
     elif not any(type(c) is Call and c.grad for c in window):
@@ -351,7 +360,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
-    elif _BACKWARD_NOT_REPRODUCED in lines or any(line.startswith(_FORWARD_MADE) for line in lines):
+    elif _BACKWARD_NOT_REPRODUCED in more or _forward_made(more):
         pass  # the replayed backward stayed finite, or the forward made it: "the backward pass made it" would be false
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
@@ -431,10 +440,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     if walked["transition"] is not None:
-        t_rec = session.records[walked["transition"]]
-        t_label, _ = _label(t_rec)
-        t_own, _, _ = report.sites(t_rec.frames, t_rec.fn)
-        lines.append(f"  It became {report.kinds_words(t_rec.kinds)} in {t_label} at\n    {report.where(t_own)}")
+        lines.append(_became(session.records[walked["transition"]]))
     lines.append(f"  The loss did not use that value (a masked, padded or dropped position, say), so it stayed finite; "
                  f"the backward of {node} met it among the values the forward saved, and finite gradients times it "
                  f"gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). Keep the value finite where it is "
@@ -501,7 +507,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
             "them, and without this check the scale would collapse.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
             "without scaling the loss."]
-    made_by = "the forward made it (above)" if any(line.startswith(_FORWARD_MADE) for line in lines) else \
+    made_by = "the forward made it (above)" if _forward_made(lines) else \
         "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, division " \
         "by a small value, the torch.where trick)"
     tail = [f"  The loss was finite: {made_by}. This check runs after "

@@ -32,9 +32,9 @@ from .._guard import PerThread
 
 _lock = threading.Lock()
 NOT_OUTERMOST, OUTERMOST, OUTERMOST_KEEP_HOOKS = 0, 1, 2
-# torch.compiler.is_compiling once the hooks are on. While dynamo traces a module call inside a compiled function,
-# the hooks return at once: dynamo folds this call to True, and nothing of ampguard's enters the graph (a graph
-# break there would split it, and change the run's numbers). See ampguard._compiling.
+# torch.compiler.is_compiling, set with the sinks' when the feature's hooks switch on. While dynamo traces a module
+# call inside a compiled function the hooks return at once: dynamo folds this call to True, and nothing of
+# ampguard's enters the graph (a graph break there would split it, and change the run's numbers). See _compiling.
 def _compiling() -> bool:
     return False
 
@@ -77,12 +77,9 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
     """Register the global pre-hook; ``enter(module, frame)`` says whether a call is outermost,
     ``exit(module, args, kwargs, output)`` ends one, ``nested(module)`` sees calls inside one while
     the hooks are on (trace='eager')."""
-    import torch
     from torch.nn.modules import module as nn_module
     from torch.utils.hooks import RemovableHandle
 
-    global _compiling
-    _compiling = torch.compiler.is_compiling  # type: ignore[assignment]
     with _lock:
         H.generation += 1
         H.enter, H.exit, H.nested = enter, exit, nested

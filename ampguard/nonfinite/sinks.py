@@ -819,11 +819,12 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
     g = _guard.current(FEATURE)
-    if g is not None:
-        known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
+    if g is None:
+        return wrapped(*args, **kwargs)
+    known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
     result = wrapped(*args, **kwargs)
     t = _here.state
-    if t.tape is not None and not t.eager and _guard.current(FEATURE) is not None:
+    if t.tape is not None and not t.eager:
         end_tape(t)
     return result
 
