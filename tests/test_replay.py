@@ -484,6 +484,21 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
     assert info.value.origin[-1].line.endswith("# PADDED ATTENTION")
 
 
+def test_a_nan_gradient_without_a_replay_is_still_described():
+    """trace='off' (or no module call with gradients): the message says no origin is known and describes the
+    gradient. It once failed on its own variable and said "ampguard could not replay it ... freed before the check"."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace="off"), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.randn(2, 4)).sum().backward()
+        model.weight.grad.fill_(float("nan"))
+        opt.step()
+    message = str(info.value)
+    assert info.value.sink == "gradient of parameter 'weight'" and info.value.module is None
+    assert "No origin is known (trace='off')." in message and "could not replay" not in message
+    assert "4 NaN" in message
+
+
 def test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_site():
     """A GAN's generator and critic, both Sequential: '0.weight' alone would not say whose gradient failed."""
     ampguard.install()

@@ -344,8 +344,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     lines = [f"ampguard: {report.kind_word(kind)} in the {sink} before the optimizer step (the step was not "
              "taken; the parameters are unchanged).",
              f"  {sink}: {report.describe_tensor(grad)}"]
-    op = None
-    origin = None
+    op = module = origin = None
     more: list[str] = []  # what the replayed backward found
     if g.options.trace == "off":
         lines.append("  No origin is known (trace='off').")
