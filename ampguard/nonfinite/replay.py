@@ -315,8 +315,9 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
             session.cloned[id(copy)] = where
             return copy
         return value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_map(session, v, clone, where) for v in value)
+    if isinstance(value, tuple):
+        items = [_map(session, v, clone, where) for v in value]
+        return sinks._remade(value, items) if hasattr(type(value), "_fields") else tuple(items)
     if isinstance(value, list):
         return [_map(session, v, clone, where) for v in value]
     if isinstance(value, dict):
@@ -416,7 +417,7 @@ def _claim_module(session: Session, out: Any, frame: Any) -> None:
     which is better than a guess."""
     root = T.replay_root
     module = None
-    for t, _ in sinks.floating(out):
+    for t, _ in sinks.made_within(out):
         node = t.grad_fn
         if node is None or id(node) in session.node_module:
             continue
@@ -431,7 +432,7 @@ def _claim_nodes(session: Session, index: int, out: Any) -> None:
     A backward origin is then named at the event's own line (the loss code's, or the model call's)
     rather than at the replay's stack."""
     torch = sinks._torch
-    outs = [out] if isinstance(out, torch.Tensor) else [t for t, _ in sinks.floating(out)]
+    outs = [out] if isinstance(out, torch.Tensor) else [t for t, _ in sinks.made_within(out)]
     stack = [t.grad_fn for t in outs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -463,7 +464,7 @@ def _map_outputs(session: Session, index: int, out: Any) -> None:
     if isinstance(out, sinks._torch.Tensor):
         session.replayed[(index, 0)] = out
         return
-    for t, k in sinks.floating(out):
+    for t, k in sinks.made_within(out):
         session.replayed[(index, k)] = t
 
 

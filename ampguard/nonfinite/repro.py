@@ -354,7 +354,7 @@ def run(path: str, device: str | None = None) -> int:
             for p in sinks.T.pending:
                 p.nan_only = False  # any NaN/Inf of the bundled output is the news here
             if meta["direction"] == "backward" and not meta["inference"]:
-                outs = [o for o, _ in sinks.floating(out) if o.requires_grad]
+                outs = [o for o, _ in sinks.made_within(out) if o.requires_grad]
                 params = [q for q in module.parameters() if q.requires_grad]
                 if outs and params:
                     sum(o.float().sum() for o in outs).backward()

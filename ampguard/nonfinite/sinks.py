@@ -273,19 +273,57 @@ def watched(g: _guard.Guard, tensor: Any) -> bool:
 
 
 def floating(value: Any) -> list:
-    """(tensor, position) for the floating (or complex) tensors in an output: a tensor, a tuple/list, a dict's
-    values."""
-    tensor = _torch.Tensor
+    """(tensor, key) for the floating (or complex) tensors of an output that are its sinks: a tensor (key 0); a
+    tuple/list's items and a dict's values (key: index or dict key); the fields of a named tuple among those (an
+    LSTM's PackedSequence, whose ``data`` is the output; key (k, field index)). Deeper containers are not sinks:
+    a KV cache of tuples in tuples would cost a pass over it at every decoding step; see :func:`made_within`."""
+    tensor = _Tensor
     if isinstance(value, tensor):
-        items: Any = ((0, value),)
-    elif isinstance(value, (tuple, list)):
-        items = enumerate(value)
+        return [(value, 0)] if (value.is_floating_point() or value.is_complex()) and value.numel() else []
+    if isinstance(value, (tuple, list)):
+        items: Any = enumerate(value)
     elif isinstance(value, dict):
         items = value.items()
     else:
         return []
-    return [(v, k) for k, v in items
-            if isinstance(v, tensor) and (v.is_floating_point() or v.is_complex()) and v.numel()]
+    out = []
+    for k, v in items:
+        if isinstance(v, tensor):
+            if (v.is_floating_point() or v.is_complex()) and v.numel():
+                out.append((v, k))
+        elif isinstance(v, tuple) and hasattr(type(v), "_fields"):
+            out.extend((f, (k, j)) for j, f in enumerate(v)
+                       if isinstance(f, tensor) and (f.is_floating_point() or f.is_complex()) and f.numel())
+    return out
+
+
+_DEPTH = 4  # levels of containers walked for the tensors a call made (an LSTM's (output, (h, c)) has two)
+
+
+def made_within(value: Any) -> list:
+    """(tensor, key) for every floating tensor of an output, however nested (to _DEPTH): what the call made, so
+    that code using one later (an LSTM's state, a field of a nested output) is known to use the call's output,
+    and a replay hands it the replayed one. Keys are :func:`floating` 's for its tensors; a path tuple below."""
+    if isinstance(value, _Tensor):
+        return floating(value)
+    out: list = []
+    _leaves_into(out, value, (), _DEPTH)
+    return out
+
+
+def _leaves_into(out: list, value: Any, path: tuple, depth: int) -> None:
+    if isinstance(value, (tuple, list)):
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return
+    for k, v in items:
+        if isinstance(v, _Tensor):
+            if (v.is_floating_point() or v.is_complex()) and v.numel():
+                out.append((v, (*path, k) if path else k))
+        elif depth > 1 and isinstance(v, (tuple, list, dict)):
+            _leaves_into(out, v, (*path, k), depth - 1)
 
 
 def weak(value: Any, data: bool) -> Any:
@@ -327,7 +365,18 @@ def _weak_one(value: Any, data: bool, produced: dict) -> Any:
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         return weak(value, data)
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a named tuple (a PackedSequence): held as its items
+        return _remade(value, [_weak_one(v, data, produced) for v in value])
     return value
+
+
+def _remade(named: tuple, items: list) -> tuple:
+    """``named`` (a named tuple) with ``items`` in its fields, made as namedtuple's ``_make`` makes one (no
+    ``__new__`` of the class's own runs on Refs); ``named`` itself where its class does not allow that."""
+    try:
+        return type(named)._make(items)
+    except Exception:
+        return named
 
 
 def _passed_through(value: Any, produced: dict) -> Ref | None:
@@ -561,6 +610,8 @@ def _weakened(value: Any) -> Any:
         return tuple(out) if kind is tuple else out
     if kind is dict:
         return {k: _weakened(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return _remade(value, [_weakened(v) for v in value])
     return value  # a Ref, a number, or an object kept as it is until the read (see weak())
 
 
@@ -610,6 +661,14 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
     return refs
 
 
+def _nested_made(t: _Thread, output: Any, outputs: list, index: int) -> None:
+    """The call's tensors that are not its sinks (an LSTM's (h, c)) are still known as its outputs."""
+    every = made_within(output)
+    if len(every) > len(outputs):
+        sunk = {id(o) for o, _ in outputs}
+        _made(t, [(o, k) for o, k in every if id(o) not in sunk], index)
+
+
 def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     __tracebackhide__ = True
     t = _here.state
@@ -632,6 +691,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if index >= 0:
         call.index = index
         window.append(call)
+        if not isinstance(output, _Tensor):
+            _nested_made(t, output, outputs, index)
     key = id(module)
     t.calls[key] = t.calls.get(key, 0) + 1
     if training and module.training:
@@ -704,7 +765,7 @@ def _make_tape() -> Any:
                     if out.is_floating_point() or out.is_complex():
                         _record(t, func, args, kwargs, ((out, 0),), sys._getframe(1))
                 else:
-                    outs = floating(out)
+                    outs = made_within(out)
                     if outs:
                         _record(t, func, args, kwargs, outs, sys._getframe(1))
             except (NonFiniteError, AmpGuardWarning):

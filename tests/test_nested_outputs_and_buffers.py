@@ -1,0 +1,54 @@
+"""Origins through the shapes recurrent and padding code has: a module's output nested in tuples or named tuples (an
+LSTM's ``(PackedSequence, (h, c))``), and a buffer filled through views of it (``out[:, :n] = x``), as padding,
+packing and caches fill one."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import ampguard
+
+
+def lstm_with_an_inf_weight():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16, batch_first=True)
+    with torch.no_grad():
+        lstm.weight_hh_l0[0, 0] = float("inf")  # inf x the zero first state: NaN from the first time step
+    return lstm
+
+
+def packed_batch():
+    x = torch.randn(4, 7, 8, generator=torch.Generator().manual_seed(1))
+    return nn.utils.rnn.pack_padded_sequence(x, torch.tensor([7, 5, 3, 2]), batch_first=True, enforce_sorted=False)
+
+
+def test_an_lstm_state_nested_in_its_output_is_known_as_the_lstm_output():
+    """``out, (h, c) = lstm(x)``: the classifier reads ``h``, two levels down in the LSTM's output."""
+    lstm = lstm_with_an_inf_weight()
+    head = nn.Linear(16, 3)
+    opt = torch.optim.SGD([*lstm.parameters(), *head.parameters()], lr=0.1)
+    with ampguard.guard():
+        _, (h, _) = lstm(torch.randn(4, 7, 8))
+        torch.nn.functional.cross_entropy(head(h[-1]), torch.tensor([0, 1, 2, 0])).backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert "parameter 'weight_hh_l0'" in message and "module 'LSTM'" in message, message
+    assert "made by code ampguard did not record" not in message, message
+
+
+def test_a_packed_sequence_passed_under_no_grad_is_not_held():
+    """Arguments of a call without grad are held weakly; a PackedSequence is a named tuple of them, not one object
+    to keep whole (its data is the batch, the size of an activation)."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16, batch_first=True)
+    with ampguard.guard(), torch.no_grad():
+        packed = packed_batch()
+        data = weakref.ref(packed.data)
+        out = lstm(packed)
+        del packed, out
+        gc.collect()
+        assert data() is None
