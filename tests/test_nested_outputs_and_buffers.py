@@ -25,6 +25,22 @@ def packed_batch():
     return nn.utils.rnn.pack_padded_sequence(x, torch.tensor([7, 5, 3, 2]), batch_first=True, enforce_sorted=False)
 
 
+def test_an_lstm_called_on_a_packed_sequence_is_named_not_the_unpacking_that_follows():
+    """The LSTM's output is a PackedSequence; the loss code unpacks it. The NaN entered through the LSTM's weight:
+    the unpacking's buffer (filled through views) is not where it was created."""
+    lstm = lstm_with_an_inf_weight()
+    opt = torch.optim.SGD(lstm.parameters(), lr=0.1)
+    with ampguard.guard():
+        out, _ = lstm(packed_batch())
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        padded.pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    err = info.value
+    assert "parameter 'weight_hh_l0'" in str(err) and "module 'LSTM'" in str(err), str(err)
+    assert err.op is None or "pad_packed" not in err.op, str(err)
+
+
 def test_an_lstm_state_nested_in_its_output_is_known_as_the_lstm_output():
     """``out, (h, c) = lstm(x)``: the classifier reads ``h``, two levels down in the LSTM's output."""
     lstm = lstm_with_an_inf_weight()
@@ -38,6 +54,38 @@ def test_an_lstm_state_nested_in_its_output_is_known_as_the_lstm_output():
     message = str(info.value)
     assert "parameter 'weight_hh_l0'" in message and "module 'LSTM'" in message, message
     assert "made by code ampguard did not record" not in message, message
+
+
+class TwoPartPadding(nn.Module):
+    """Writes two branches into one zero buffer through views, and returns a view of the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = x.new_zeros(x.shape[0], 10, 4)
+        out[:, :3] = self.first(x)  # aten.copy_ into a slice
+        out[:, 5:8] = self.second(x)
+        return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("bad", ["first", "second"])
+def test_a_nan_written_into_a_buffer_through_a_view_is_traced_to_the_write_that_brought_it(bad):
+    """Whichever write brought the NaN (the last one, or one before it), the reader of the buffer did not make it."""
+    model = TwoPartPadding()
+    with torch.no_grad():
+        getattr(model, bad).bias[0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        model(torch.randn(2, 3, 4)).pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert f"parameter '{bad}.bias'" in message, message
+    assert "transpose" not in (info.value.op or ""), message
 
 
 def test_a_packed_sequence_passed_under_no_grad_is_not_held():

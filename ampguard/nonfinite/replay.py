@@ -136,8 +136,33 @@ class Session:
             record.event = self.event
             self.records.append(record)
             self.producer[id(o)] = (weakref.ref(o), index)
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for o in outputs:
+                if o._base is not None:
+                    self._wrote_into(o._base, name, frames, module, root, inputs, leaves, constant, numbers)
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
+
+
+    def _wrote_into(self, base: Any, name: str, frames: tuple, module: Any, root: Any, inputs: list, leaves: list,
+                    constant: bool, numbers: list) -> None:
+        """An in-place op wrote into a view of ``base`` (``buffer[:, :n].copy_(x)``, how padding, packing and caches
+        fill a buffer): what reads ``base`` from now on reads this write, and the writes before it."""
+        if not (base.is_floating_point() or base.is_complex()):
+            return
+        previous = self.producer_of(base)
+        if previous is not None:
+            inputs = [*inputs, previous]
+            constant = constant and self.records[previous].constant
+        found = kinds(base) if base.numel() else frozenset()
+        if found and len(self.alive) < 4096:
+            self.alive.append(base)
+        record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
+                          weakref.ref(base), tuple(base.shape), base.dtype, constant, tuple(numbers))
+        record.event = self.event
+        self.producer[id(base)] = (weakref.ref(base), len(self.records))
+        self.records.append(record)
 
 
 def kinds(tensor: Any) -> frozenset:
