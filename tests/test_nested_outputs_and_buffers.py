@@ -2,6 +2,7 @@
 LSTM's ``(PackedSequence, (h, c))``), and a buffer filled through views of it (``out[:, :n] = x``), as padding,
 packing and caches fill one."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -100,3 +101,51 @@ def test_a_packed_sequence_passed_under_no_grad_is_not_held():
         del packed, out
         gc.collect()
         assert data() is None
+
+
+@dataclasses.dataclass
+class Output:
+    """A model's own output class, as many codebases define one."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "a field that is no tensor"
+
+
+class ReturnsADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return Output(self.head(hidden), hidden)
+
+
+def test_a_dataclass_output_is_the_calls_output_in_training():
+    model = ReturnsADataclass()
+    with torch.no_grad():
+        model.body.bias[0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        model(torch.randn(3, 4)).logits.pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert "parameter 'body.bias'" in message, message
+    assert "made by code ampguard did not record" not in message, message
+
+
+def test_a_nan_in_a_dataclass_output_of_an_evaluation_is_reported():
+    model = ReturnsADataclass()
+    with torch.no_grad():
+        model.head.bias[1] = float("nan")
+    x = torch.randn(3, 4)
+    with ampguard.guard(), torch.no_grad():
+        model(x)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            ampguard.nonfinite.check()
+    assert "output of module 'ReturnsADataclass' (output 'logits')" in str(info.value), str(info.value)
+    assert "parameter 'head.bias'" in str(info.value), str(info.value)

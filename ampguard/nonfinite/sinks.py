@@ -35,6 +35,7 @@ to its guard.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -274,17 +275,15 @@ def watched(g: _guard.Guard, tensor: Any) -> bool:
 
 def floating(value: Any) -> list:
     """(tensor, key) for the floating (or complex) tensors of an output that are its sinks: a tensor (key 0); a
-    tuple/list's items and a dict's values (key: index or dict key); the fields of a named tuple among those (an
-    LSTM's PackedSequence, whose ``data`` is the output; key (k, field index)). Deeper containers are not sinks:
-    a KV cache of tuples in tuples would cost a pass over it at every decoding step; see :func:`made_within`."""
+    tuple/list's items, a dict's values and a dataclass's fields (key: index, dict key or field name); the fields of a
+    named tuple among those (an LSTM's PackedSequence, whose ``data`` is the output; key (k, field index)). Deeper
+    containers are not sinks: a KV cache of tuples in tuples would cost a pass over it at every decoding step; see
+    :func:`made_within`."""
     tensor = _Tensor
     if isinstance(value, tensor):
         return [(value, 0)] if (value.is_floating_point() or value.is_complex()) and value.numel() else []
-    if isinstance(value, (tuple, list)):
-        items: Any = enumerate(value)
-    elif isinstance(value, dict):
-        items = value.items()
-    else:
+    items = _items(value)
+    if items is None:
         return []
     out = []
     for k, v in items:
@@ -312,18 +311,27 @@ def made_within(value: Any) -> list:
 
 
 def _leaves_into(out: list, value: Any, path: tuple, depth: int) -> None:
-    if isinstance(value, (tuple, list)):
-        items: Any = enumerate(value)
-    elif isinstance(value, dict):
-        items = value.items()
-    else:
+    items = _items(value)
+    if items is None:
         return
     for k, v in items:
         if isinstance(v, _Tensor):
             if (v.is_floating_point() or v.is_complex()) and v.numel():
                 out.append((v, (*path, k) if path else k))
-        elif depth > 1 and isinstance(v, (tuple, list, dict)):
+        elif depth > 1:
             _leaves_into(out, v, (*path, k), depth - 1)
+
+
+def _items(value: Any) -> Any:
+    """(key, item) of a container a module returns: a tuple or list, a dict (Hugging Face's ModelOutput is one),
+    a dataclass instance (a model's own output class); None for anything else."""
+    if isinstance(value, (tuple, list)):
+        return enumerate(value)
+    if isinstance(value, dict):
+        return value.items()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+    return None
 
 
 def weak(value: Any, data: bool) -> Any:
