@@ -89,6 +89,33 @@ def test_a_nan_written_into_a_buffer_through_a_view_is_traced_to_the_write_that_
     assert "transpose" not in (info.value.op or ""), message
 
 
+class ScalesInPlaceAfterTakingAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        h = self.proj(x)
+        first = h[:, :4]  # a view, taken before the write
+        h.mul_(self.scale)  # the write, into the view's buffer
+        return first.sum(-1)
+
+
+def test_a_view_read_after_an_in_place_write_into_its_buffer_reads_that_write():
+    model = ScalesInPlaceAfterTakingAView()
+    with torch.no_grad():
+        model.scale[1] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert "parameter 'scale', an input of Tensor.mul_" in message, message
+
+
 def test_a_packed_sequence_passed_under_no_grad_is_not_held():
     """Arguments of a call without grad are held weakly; a PackedSequence is a named tuple of them, not one object
     to keep whole (its data is the batch, the size of an activation)."""

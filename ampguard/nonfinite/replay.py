@@ -110,6 +110,11 @@ class Session:
                 if index is not None:
                     inputs.append(index)
                     constant = constant and self.records[index].constant
+                    if t._base is not None:  # a view: an in-place write into its buffer since it was taken is read too
+                        wrote = self.producer_of(t._base)
+                        if wrote is not None and wrote > index:
+                            inputs.append(wrote)
+                            constant = constant and self.records[wrote].constant
                 else:
                     leaf_constant = not (isinstance(t, torch.nn.Parameter) or t.requires_grad)
                     constant = constant and leaf_constant
