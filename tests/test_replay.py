@@ -575,6 +575,36 @@ def test_a_replay_leaves_rng_and_running_stats_as_they_would_have_been():
     assert torch.equal(mean, plain_mean) and torch.equal(count, plain_count) and torch.equal(rng, plain_rng)
 
 
+class CountsAndKeeps(torch.nn.Module):
+    """Counts its calls and keeps what it computed, as a forward that logs attention maps does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.proj(x)
+        self.last = h
+        return h.log()  # NaN where h < 0
+
+
+def test_a_replay_leaves_the_modules_attributes_as_the_users_forward_left_them():
+    """Under nonfinite='warn' the run goes on after a replay: the replay's call is not counted, and the module keeps
+    the user's tensor, not the replay's (with its graph)."""
+    model = CountsAndKeeps()
+    with ampguard.guard(nonfinite="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(torch.randn(3, 4))
+        kept = model.last
+        out.sum().backward()
+        nonfinite.check()
+    assert any("created by Tensor.log" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert model.calls == 1 and model.last is kept
+
+
 def test_a_module_that_opts_out_is_not_replayed():
     ampguard.install()
     model = Student()

@@ -252,12 +252,20 @@ def _distributed() -> bool:
 
 
 # -- running the window ----------------------------------------------------------------------
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def untouched(window: list) -> Iterator[None]:
-    """Buffers and RNG states exactly as they were afterwards; the normal path stands aside."""
+    """Buffers, the modules' own attributes and RNG states exactly as they were afterwards; the normal path stands
+    aside. Attributes: a forward that counts its calls (``self.calls += 1``), or keeps what it computed
+    (``self.last_attention = weights``, for logging), would otherwise be left counting the replay, or holding
+    the replay's tensor and its graph in place of the user's."""
     torch = sinks._torch
     roots = {id(c.module): c.module for c in window if type(c) is Call}
     saved = [(b, b.detach().clone()) for m in roots.values() for b in m.buffers()]
+    modules = {id(m): m for root in roots.values() for m in root.modules()}
+    attributes = [(vars(m), dict(vars(m))) for m in modules.values()]
     cpu = torch.default_generator.get_state()
     cuda = None
     if torch.cuda.is_initialized():
@@ -275,6 +283,12 @@ def untouched(window: list) -> Iterator[None]:
     finally:
         T.replaying -= 1
         T.replay_root = outer_root
+        for now, before in attributes:
+            for name in [name for name in now if name not in before]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    now[name] = value
         with torch.no_grad():
             for b, copy in saved:
                 if b.shape == copy.shape:
