@@ -517,6 +517,35 @@ def test_two_models_that_share_parameter_names_are_told_apart_by_class_and_call_
     assert info.value.op == "torch.sqrt"
 
 
+class TiedLM(torch.nn.Module):
+    """A language model whose output head shares the embedding's weight (GPT-2, T5)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.body(self.emb(idx))))
+
+
+def test_a_tied_weight_is_named_by_every_name_it_has():
+    model = TiedLM()
+    with torch.no_grad():
+        model.emb.weight[3, 0] = float("inf")  # a row no token of the batch looks up: it enters through the head
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        logits = model(torch.tensor([[1, 2, 4]]))
+        torch.nn.functional.cross_entropy(logits.view(-1, 10), torch.tensor([1, 2, 3])).backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    assert "parameter 'emb.weight' (tied: also 'head.weight'), an input of aten.t inside torch.linear in module " \
+           "'head'" in str(info.value), str(info.value)
+
+
 def test_a_submodule_called_on_its_own_is_named_by_its_path_in_the_model_that_holds_it():
     """A model's head called apart from its body (and the body by itself): a module in the head reads
     'head.1', as the model's own named_modules() gives it, not '1'."""

@@ -209,12 +209,15 @@ def tensor_names(roots: list, sites: dict | None = None) -> dict[int, str]:
     names: dict[int, str] = {}
     owner: dict[int, Any] = {}
     for root in ordered:  # largest last: its names win
+        paths: dict[int, list] = {}  # a tied weight (an embedding and the output head) has several
         for name, p in root.named_parameters(remove_duplicate=False):
-            names[id(p)] = f"parameter '{name}'"
-            owner[id(p)] = root
+            paths.setdefault(id(p), ["parameter"]).append(name)
         for name, b in root.named_buffers(remove_duplicate=False):
-            names[id(b)] = f"buffer '{name}'"
-            owner[id(b)] = root
+            paths.setdefault(id(b), ["buffer"]).append(name)
+        for key, (kind, first, *others) in paths.items():
+            also = ", ".join(f"'{o}'" for o in others)
+            names[key] = f"{kind} '{first}'" + (f" (tied: also {also})" if others else "")
+            owner[key] = root
     givers: dict[str, set] = {}
     for key, name in names.items():
         givers.setdefault(name, set()).add(id(owner[key]))
