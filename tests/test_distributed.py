@@ -192,7 +192,9 @@ def test_a_nan_in_training_step_under_a_lightning_ddp_strategy_is_replayed_throu
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["replayed"] and result["op"] == "torch.log" and result["line"].endswith("# POISON")
-    assert result["logged"] == 3  # training_step ran for two batches, and once more in the replay of the second
+    # training_step ran for two batches, and once more in the replay of the second (torch.log is only there), whose
+    # count the replay put back: it leaves the module's attributes as the user's training_step left them
+    assert result["logged"] == 2
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
