@@ -279,3 +279,22 @@ def test_a_nan_in_a_compiled_training_function_is_still_stopped_before_the_step(
     assert "torch.compile(model)" in message
     assert torch.equal(model.weight, before)
     del loss
+
+
+def test_torch_export_works_under_ampguard_1(python):
+    """torch.export deep-copies a config that holds ``warnings.warn`` (patched by ampguard to keep warnings at the
+    user's line); a wrapt proxy refuses to be copied, so every export failed under AMPGUARD=1."""
+    proc = python("""
+        import copy, warnings, torch
+        import ampguard
+        assert ampguard.active()
+        assert copy.deepcopy(warnings.warn) is warnings.warn and copy.copy(warnings.warn) is warnings.warn
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        x = torch.randn(3, 4)
+        model(x).pow(2).mean().backward()  # a step under way: the loss-code record is on
+        exported = torch.export.export(model, (x,))
+        assert torch.equal(exported.module()(x), model(x))
+        print("exported")
+    """, env={"AMPGUARD": "1"}, timeout=240)
+    assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr[-3000:]
