@@ -38,15 +38,25 @@ _MISSING = object()
 
 class Wrapper(wrapt.FunctionWrapper):
     """wrapt's FunctionWrapper of a module's function, which torch.compile traces as the function it wraps (see
-    ``_compiling``), and which copies as a function does: as itself. wrapt's proxies refuse to be copied, and a
-    patched function ends up in copied structures (torch.export deep-copies a config holding ``warnings.warn``).
-    A class's methods keep wrapt's own class: a subclass's bound calls cost some 0.3 us more each."""
+    ``_compiling``), and which copies and pickles as a function does. wrapt's proxies refuse both, and a patched
+    function ends up in copied and pickled structures: torch.export deep-copies a config holding ``warnings.warn``,
+    a checkpoint's hyperparameters may hold ``functools.partial(clip_grad_norm_, max_norm=1.0)``. A class's methods
+    keep wrapt's own class: a subclass's bound calls cost some 0.3 us more each."""
 
     def __copy__(self) -> Any:
         return self
 
     def __deepcopy__(self, memo: dict) -> Any:
         return self
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """By reference, as pickle saves a function: loaded where ampguard is not installed (an inference server
+        reading the checkpoint), it is torch's own function; where it is, the patched one."""
+        original = self.__wrapped__
+        module, name = getattr(original, "__module__", None), getattr(original, "__qualname__", None)
+        if not module or not name:
+            raise TypeError(f"cannot pickle {original!r}")
+        return pkgutil.resolve_name, (f"{module}:{name}",)
 
     @property
     def _torchdynamo_inline(self) -> Any:

@@ -155,3 +155,32 @@ def test_a_thread_without_a_guard_is_untouched_by_another_threads_guard():
         release.set()
         t.join(60)
     assert ampguard.active() is None
+
+
+def test_patched_functions_pickle_and_copy_as_functions_do(python, tmp_path):
+    """A checkpoint written under AMPGUARD=1 may hold a patched function (hyperparameters with
+    ``functools.partial(clip_grad_norm_, max_norm=1.0)``): it pickles by reference, and a process without ampguard
+    (an inference server) loads torch's own function. wrapt's proxies refuse to be pickled or copied."""
+    path = tmp_path / "ckpt.pt"
+    proc = python("""
+        import copy, functools, sys, warnings, torch
+        import ampguard
+        assert ampguard.active()
+        clip = torch.nn.utils.clip_grad_norm_
+        assert type(clip).__name__ == "Wrapper"  # (patched: else this test would prove nothing)
+        for f in (clip, torch.autograd.backward, warnings.warn):
+            assert copy.deepcopy(f) is f and copy.copy(f) is f
+        torch.save({"clip": functools.partial(clip, max_norm=1.0), "backward": torch.autograd.backward},
+                   sys.argv[1])
+        print("saved")
+    """, str(path), env={"AMPGUARD": "1"})
+    assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+    proc = python("""
+        import sys, torch
+        loaded = torch.load(sys.argv[1], weights_only=False)
+        assert loaded["clip"].func is torch.nn.utils.clip_grad.clip_grad_norm_, loaded["clip"].func
+        assert type(loaded["clip"].func).__name__ == "function"
+        assert loaded["backward"] is torch.autograd.backward
+        print("loaded")
+    """, str(path))
+    assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
