@@ -86,6 +86,8 @@ def _entry(name: str, fn: Any, wrapper: bool = False) -> Any:
 def instrument() -> None:
     """Before any install: the registry wraps with ``Target.wrapper``, the switches register these names."""
     for i, target in enumerate(_patching.REGISTRY._targets):
+        if target.owner == "warnings":
+            continue  # (its stacklevel correction counts frames: a timer's would move the warning's line)
         name = f"{target.owner.rpartition(':')[2] or target.owner}.{target.name} ({target.wrapper.__module__})"
         _patching.REGISTRY._targets[i] = dataclasses.replace(target, wrapper=_entry(name, target.wrapper, wrapper=True))
     for owner, attr in HOOKS:
