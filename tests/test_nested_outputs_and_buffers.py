@@ -89,6 +89,36 @@ def test_a_nan_written_into_a_buffer_through_a_view_is_traced_to_the_write_that_
     assert "transpose" not in (info.value.op or ""), message
 
 
+class FillsAPreallocatedBuffer(nn.Module):
+    """A buffer whose every column is written below: what it held before is no value's origin. torch.empty's memory
+    may hold the NaN bits of a freed tensor; a NaN sentinel holds them on purpose, and is what this uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(4, 8)
+
+    def forward(self, x):
+        out = torch.full((x.shape[0], 16), float("nan"))
+        out[:, :8] = self.first(x)
+        out[:, 8:] = self.second(x)
+        return out
+
+
+def test_what_a_write_overwrote_is_not_the_origin_of_what_it_wrote():
+    model = FillsAPreallocatedBuffer()
+    with torch.no_grad():
+        model.second.bias[3] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert "parameter 'second.bias', an input of aten.addmm inside torch.linear in module 'second'" in message, message
+
+
 class ScalesInPlaceAfterTakingAView(nn.Module):
     def __init__(self):
         super().__init__()

@@ -102,9 +102,14 @@ class Session:
         inputs, leaves = [], []
         constant = True
         numbers = []
+        name = _aten_name(func)
+        op = name.partition(".")[2]
+        overwritten = args[0] if op in sinks.OVERWRITE and args else None  # (its old value is not an input)
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, float) and not math.isfinite(t):
                 numbers.append(t)
+            elif t is overwritten:
+                continue
             elif isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                 index = self.producer_of(t)
                 if index is not None:
@@ -129,8 +134,8 @@ class Session:
         module = _calling_module(sys._getframe(2), self.stop) if root is not None else None
         if module is None:
             module = root  # an op of the root's own forward (the replay calls it without _call_impl)
-        name = _aten_name(func)
-        written = name.partition(".")[2] not in sinks.UNINITIALIZED  # (else: no op made its bits)
+        schema = getattr(func, "_schema", None)
+        written = op not in sinks.UNINITIALIZED  # (else: no op made its bits)
         for o in outputs:
             index = len(self.records)
             found = kinds(o) if o.numel() and written else frozenset()
@@ -141,26 +146,30 @@ class Session:
             record.event = self.event
             self.records.append(record)
             self.producer[id(o)] = (weakref.ref(o), index)
-        schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
             for o in outputs:
                 if o._base is not None:
-                    self._wrote_into(o._base, name, frames, module, root, inputs, leaves, constant, numbers)
+                    self._wrote_into(o._base, self.records[self.producer_of(o)].kinds, name, frames, module, root,
+                                     inputs, leaves, constant, numbers)
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
 
-    def _wrote_into(self, base: Any, name: str, frames: tuple, module: Any, root: Any, inputs: list, leaves: list,
-                    constant: bool, numbers: list) -> None:
-        """An in-place op wrote into a view of ``base`` (``buffer[:, :n].copy_(x)``, how padding, packing and caches
-        fill a buffer): what reads ``base`` from now on reads this write, and the writes before it."""
+    def _wrote_into(self, base: Any, written: frozenset, name: str, frames: tuple, module: Any, root: Any, inputs: list,
+                    leaves: list, constant: bool, numbers: list) -> None:
+        """An in-place op wrote ``written`` (the kinds of the view it wrote) into a view of ``base``
+        (``buffer[:, :n].copy_(x)``, how padding, packing and caches fill a buffer): what reads ``base`` from now on
+        reads this write, and the writes before it. Made in the replay, the buffer holds what its writes brought,
+        not what its unwritten part holds (``torch.empty``'s memory may hold the NaN bits of a freed tensor)."""
         if not (base.is_floating_point() or base.is_complex()):
             return
         previous = self.producer_of(base)
         if previous is not None:
             inputs = [*inputs, previous]
             constant = constant and self.records[previous].constant
-        found = kinds(base) if base.numel() else frozenset()
+            found = written | self.records[previous].kinds
+        else:
+            found = kinds(base) if base.numel() else frozenset()  # (from outside the replay: read as it is now)
         if found and len(self.alive) < 4096:
             self.alive.append(base)
         record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,

@@ -73,6 +73,10 @@ _SKIP_NAMES = frozenset({
 # held, NaN among them, were made by no op. Neither trace='eager' nor a replay judges what they return.
 UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted",
                            "resize_", "resize_as_"})
+# In-place ops whose result does not depend on what their first argument held: what they write over (a slice of a
+# buffer that `buffer[:, i] = x` fills, perhaps of torch.empty's bits) is not where a value they leave came from.
+OVERWRITE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                       "geometric_", "cauchy_", "log_normal_", "set_"})
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _autocast_devices: tuple = ()  # those this torch build knows, found once when the hooks switch on
 
