@@ -154,7 +154,6 @@ class Session:
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
-
     def _wrote_into(self, base: Any, written: frozenset, name: str, frames: tuple, module: Any, root: Any, inputs: list,
                     leaves: list, constant: bool, numbers: list) -> None:
         """An in-place op wrote ``written`` (the kinds of the view it wrote) into a view of ``base``
