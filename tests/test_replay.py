@@ -634,6 +634,37 @@ def test_a_replay_leaves_the_modules_attributes_as_the_users_forward_left_them()
     assert model.calls == 1 and model.last is kept
 
 
+def _temperature_hook(module, inputs, output):
+    return output.log()  # A HOOK ON THE MODEL ITSELF
+
+
+def _scale_inputs_hook(module, inputs):
+    return (inputs[0] * torch.tensor(float("inf")),)  # A PRE-HOOK ON THE MODEL ITSELF
+
+
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_the_hooks_of_the_model_itself_run_in_the_replay(hook):
+    """A hook registered on the model (not on one of its layers) that post-processes its output or pre-processes its
+    input is part of the call: the replay runs it, and names its line, rather than finding that the NaN 'did not
+    reproduce'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if hook == "forward":
+        model.register_forward_hook(_temperature_hook)
+        fn, marker = _temperature_hook, "A HOOK ON THE MODEL ITSELF"
+    else:
+        model.register_forward_pre_hook(_scale_inputs_hook)
+        fn, marker = _scale_inputs_hook, "A PRE-HOOK ON THE MODEL ITSELF"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    err = info.value
+    assert "did not reproduce" not in str(err), str(err)
+    assert err.origin is not None and err.origin[-1].lineno == line_of(fn, marker), str(err)
+
+
 def test_a_module_that_opts_out_is_not_replayed():
     ampguard.install()
     model = Student()
