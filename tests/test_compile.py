@@ -281,6 +281,45 @@ def test_a_nan_in_a_compiled_training_function_is_still_stopped_before_the_step(
     del loss
 
 
+class SqrtModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.sqrt(self.a(x)))  # NaN where a(x) < 0
+
+
+def test_a_model_compiled_in_place_trains_as_without_ampguard_and_its_nan_says_what_to_do():
+    """``model.compile()`` runs the model's whole call compiled, hooks included: ampguard sees none of its calls.
+    A clean run is unchanged; a NaN is stopped before the step, and the message says which form of compiling is seen."""
+    def run(guarded):
+        torch._dynamo.reset()
+        model = mlp()
+        model.compile(backend="eager")
+        with ampguard.guard() if guarded else torch.enable_grad():
+            return train(model, model.parameters()), model
+
+    plain_losses, plain = run(False)
+    losses, guarded = run(True)
+    assert losses == plain_losses
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters(), strict=True))
+
+    model = SqrtModel()
+    model.compile(backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.a.weight.detach().clone()
+    with ampguard.guard():
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    message = str(info.value)
+    assert "compiled in place (model.compile()" in message and "model = torch.compile(model)" in message, message
+    assert torch.equal(model.a.weight, before)
+
+
 def test_torch_export_works_under_ampguard_1(python):
     """torch.export deep-copies a config that holds ``warnings.warn`` (patched by ampguard to keep warnings at the
     user's line); a wrapt proxy refuses to be copied, so every export failed under AMPGUARD=1."""
