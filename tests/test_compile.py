@@ -19,6 +19,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def line_of(func, marker):
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
 def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -285,39 +290,79 @@ class SqrtModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 1)
 
     def forward(self, x):
-        return self.b(torch.sqrt(self.a(x)))  # NaN where a(x) < 0
+        return self.b(torch.sqrt(self.a(x)))  # NaN WHERE a(x) < 0
 
 
-def test_a_model_compiled_in_place_trains_as_without_ampguard_and_its_nan_says_what_to_do():
-    """``model.compile()`` runs the model's whole call compiled, hooks included: ampguard sees none of its calls.
-    A clean run is unchanged; a NaN is stopped before the step, and the message says which form of compiling is seen."""
-    def run(guarded):
-        torch._dynamo.reset()
-        model = mlp()
-        model.compile(backend="eager")
-        with ampguard.guard() if guarded else torch.enable_grad():
-            return train(model, model.parameters()), model
+class OwnMLP(torch.nn.Module):
+    """A model of the user's own class: dynamo compiles its forward (torch's own modules are not compiled as top
+    frames, so a compiled Sequential would compile nothing)."""
 
-    plain_losses, plain = run(False)
-    losses, guarded = run(True)
-    assert losses == plain_losses
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters(), strict=True))
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 1)
 
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _in_place_run(guarded):
+    """Train a model compiled in place; return the losses, the parameters and the size of each graph the backend was
+    given."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    with ampguard.guard() if guarded else torch.enable_grad():
+        model = OwnMLP()
+        model.compile(backend=backend)
+        losses = train(model, model.parameters())
+    return losses, [p.detach().clone() for p in model.parameters()], graphs
+
+
+def test_a_model_compiled_in_place_trains_as_without_ampguard():
+    """``model.compile()`` runs the model's whole call compiled, hooks included; ampguard makes it an outermost call
+    around the compiled code, which dynamo compiles to the same graphs as without ampguard."""
+    plain, guarded = _in_place_run(False), _in_place_run(True)
+    assert guarded[0] == plain[0] and all(torch.equal(p, q) for p, q in zip(plain[1], guarded[1], strict=True))
+    assert guarded[2] == plain[2] and plain[2]  # (and something was compiled)
+
+
+def test_a_nan_in_a_model_compiled_in_place_is_replayed_and_uninstall_gives_torch_its_call_back():
+    g = ampguard.install()
     model = SqrtModel()
     model.compile(backend="eager")
+    compiled = vars(model)["_compiled_call_impl"]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.a.weight.detach().clone()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    err = info.value
+    assert err.op == "torch.sqrt" and err.origin[-1].lineno == line_of(SqrtModel.forward, "NaN WHERE"), str(err)
+    assert torch.equal(model.a.weight, before)
+    ampguard.uninstall()
+    assert g is not None and vars(model)["_compiled_call_impl"] is compiled.compiled
+
+
+def test_a_model_compiled_in_place_before_the_guard_is_not_seen_and_the_message_says_what_works():
+    model = SqrtModel()
+    model.compile(backend="eager")  # before any guard: nothing of ampguard's saw it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ampguard.guard():
-        model(torch.randn(3, 4)).pow(2).mean().backward()
+        model(torch.randn(3, 8)).pow(2).mean().backward()
         with pytest.raises(ampguard.NonFiniteError) as info:
             opt.step()
     message = str(info.value)
     assert "compiled in place (model.compile()" in message and "model = torch.compile(model)" in message, message
-    assert torch.equal(model.a.weight, before)
 
 
 def test_torch_export_works_under_ampguard_1(python):

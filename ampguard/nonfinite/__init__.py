@@ -21,6 +21,7 @@ import contextlib
 import warnings
 from typing import Any
 
+from .._fallback import internal_failure
 from .._patching import REGISTRY, Switch, Target
 from . import failure, outermost, report, sinks
 from .sinks import FEATURE, T, check
@@ -111,6 +112,36 @@ def _eager_names_off() -> None:
 
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
                            "module and optimizer hooks: record outermost calls, check the sinks at the step"))
+def _module_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    try:
+        outermost.see_compiled_in_place(instance)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return result
+
+
+def _switch_module_compile() -> Any:
+    """``nn.Module.compile`` wrapped on the class itself, not through the registry: a registry target on
+    ``nn.Module`` would walk every module class at each install and hook every class statement that defines one.
+    A subclass that overrides ``compile()`` (none of torch's or Lightning's does) is not seen."""
+    import wrapt
+    from torch.nn.modules.module import Module
+
+    original = vars(Module)["compile"]
+    replacement = wrapt.FunctionWrapper(original, _module_compile)
+    Module.compile = replacement
+
+    def off() -> None:
+        if vars(Module).get("compile") is replacement:
+            Module.compile = original
+
+    return off
+
+
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
+                           "a model compiled in place runs its hooks compiled: its call is made an outermost call "
+                           "around the compiled code"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,

@@ -146,8 +146,9 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
                  "outermost module calls and the loss code that follows them)."]
         if "torch._dynamo" in sys.modules:  # (torch.compile was used in this process)
             lines.append("  Module calls inside a torch.compile'd function are not seen, nor are the calls of a model "
-                         "compiled in place (model.compile(): its whole call runs compiled, hooks included): compile "
-                         "the model as model = torch.compile(model), or run the step uncompiled, to have the op named.")
+                         "compiled in place (model.compile()) before ampguard was installed: its whole call runs "
+                         "compiled, hooks included. Compile the model once ampguard is installed, or as "
+                         "model = torch.compile(model), or run the step uncompiled, to have the op named.")
         return _plain(p, lines)
     session = replay.Session()
     with replay.untouched(window):

@@ -18,12 +18,17 @@ call, module calls that another thread starts are not seen as outermost calls. T
 gradients are still checked; their outputs are not.
 
 ``trace="eager"`` needs every nested call for module names and is slow anyway: it does not suspend.
+
+A model compiled in place (``model.compile()``) runs its whole ``_call_impl`` compiled, hooks included, so no
+hook sees its calls. While the feature is on, its ``_compiled_call_impl`` is wrapped (:class:`_CompiledInPlace`):
+the wrapper makes the call an outermost call in eager Python around the compiled one, as the hooks would.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +94,8 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
         H.dict = nn_module._global_forward_pre_hooks
         H.suspended = 0
         H.handle = handle = nn_module.register_module_forward_pre_hook(_global_pre)
+    for module in list(_compiled_in_place):
+        see_compiled_in_place(module)
 
     def off() -> None:  # idempotent, and only ever undoes this registration
         with _lock:
@@ -101,6 +108,10 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict
             for module in list(H.attached.values()):
                 _detach(module)
             H.attached.clear()
+        for module in list(_compiled_in_place):
+            wrapper = vars(module).get("_compiled_call_impl")
+            if type(wrapper) is _CompiledInPlace:
+                vars(module)["_compiled_call_impl"] = wrapper.compiled  # torch's own, exactly as compile() set it
         forget()
 
     return off
@@ -230,3 +241,76 @@ def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     forget()
     if generation == H.generation:
         H.exit(module, args, kwargs or {}, output)
+
+
+# -- models compiled in place -------------------------------------------------------------------
+_compiled_in_place: weakref.WeakSet = weakref.WeakSet()  # every model compile() was seen compiling in place
+
+
+def see_compiled_in_place(module: Any) -> None:
+    """After ``module.compile()``: wrap the compiled call torch put on it (kept known, to wrap again at the next
+    switch-on and to unwrap at switch-off)."""
+    compiled = vars(module).get("_compiled_call_impl")
+    if compiled is None:
+        return
+    _compiled_in_place.add(module)
+    if type(compiled) is not _CompiledInPlace and H.handle is not None:
+        vars(module)["_compiled_call_impl"] = _CompiledInPlace(module, compiled)
+
+
+class _CompiledInPlace:
+    """Stands in for the compiled call of a model compiled in place: its call is an outermost call, entered and
+    ended here in eager Python, with the global hook taken off while the compiled code runs (as an outermost
+    call's nested calls find it, and as dynamo guarded it when it traced the call)."""
+
+    __slots__ = ("compiled", "module")
+
+    def __init__(self, module: Any, compiled: Any) -> None:
+        self.module = weakref.ref(module)
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        compiled = self.compiled
+        module = self.module()
+        if module is None or _compiling():
+            return compiled(*args, **kwargs)
+        frame = sys._getframe(0)
+        generation = _enter_compiled(module, frame)
+        if generation is None:
+            return compiled(*args, **kwargs)
+        try:
+            output = compiled(*args, **kwargs)
+        finally:
+            forget()  # (and the global hook is back)
+        if generation == H.generation:
+            _exit_compiled(module, args, kwargs, output)
+        return output
+
+
+@fail_safe("nonfinite")
+def _enter_compiled(module: Any, frame: Any) -> int | None:
+    """The generation of the outermost call opened for ``module``, or None (no call opened: the call is not an
+    outermost one, or it is one of trace='eager', which sees nothing inside compiled code anyway)."""
+    __tracebackhide__ = True
+    local = _here.state
+    if local.root is not None:
+        if running(local.frame):
+            return None  # inside an outermost call: part of it
+        forget()
+    if H.handle is None:
+        return None
+    mode = H.enter(module, frame)
+    if mode == NOT_OUTERMOST:
+        return None
+    local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
+    if mode == OUTERMOST:
+        local.suspended = True
+        _suspend()
+    return local.generation
+
+
+@fail_safe("nonfinite")
+def _exit_compiled(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    __tracebackhide__ = True
+    H.exit(module, args, kwargs, output)
