@@ -665,6 +665,28 @@ def test_the_hooks_of_the_model_itself_run_in_the_replay(hook):
     assert err.origin is not None and err.origin[-1].lineno == line_of(fn, marker), str(err)
 
 
+class NegatesInItsCall(torch.nn.Module):
+    """Overrides ``__call__`` to transform its input before torch's call, as some codebases do."""
+
+    def __call__(self, x):
+        return super().__call__(-x)
+
+    def forward(self, x):
+        return torch.sqrt(x)  # NaN: the call negated a positive input
+
+
+def test_a_call_the_class_overrides_is_not_applied_twice_in_the_replay():
+    """ampguard records the arguments torch's call received, past the class's own ``__call__``: the replay runs
+    torch's call with them, not the override again (which would undo the negation, and the NaN 'did not reproduce')."""
+    model = NegatesInItsCall()
+    with ampguard.guard():
+        out = model(torch.rand(4) + 0.5)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            nonfinite.check()
+    del out
+    assert info.value.op == "torch.sqrt" and "did not reproduce" not in str(info.value), str(info.value)
+
+
 def test_a_module_that_opts_out_is_not_replayed():
     ampguard.install()
     model = Student()

@@ -443,9 +443,10 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         session.site = (event.site[0], event.site[1]) if event.site else None
         try:
             with grad, _autocast(event.autocast), state, names, checker:
-                # Called as the user called it, so that its own hooks run (a forward hook that post-processes the
-                # output, a pre-hook that normalises the input); ampguard's see a replay and stand aside
-                out = module(*args, **kwargs) if event.method is None else \
+                # Through nn.Module.__call__, as the user's call went, so that the module's own hooks run (a forward
+                # hook that post-processes the output, a pre-hook that normalises the input); ampguard's see a replay
+                # and stand aside. Not through a __call__ the class overrides: the arguments were recorded past it.
+                out = torch.nn.Module.__call__(module, *args, **kwargs) if event.method is None else \
                     getattr(module, event.method)(*args, **kwargs)  # (training_step under a strategy)
         finally:
             T.replay_root = None
