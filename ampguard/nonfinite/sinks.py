@@ -277,53 +277,46 @@ def watched(g: _guard.Guard, tensor: Any) -> bool:
     return devices is None or tensor.device.type in devices
 
 
-def floating(value: Any) -> list:
-    """(tensor, key) for the floating (or complex) tensors of an output that are its sinks: a tensor (key 0); a
-    tuple/list's items, a dict's values and a dataclass's fields (key: index, dict key or field name); the fields of a
-    named tuple among those (an LSTM's PackedSequence, whose ``data`` is the output; key (k, field index)). Deeper
-    containers are not sinks: a KV cache of tuples in tuples would cost a pass over it at every decoding step; see
-    :func:`made_within`."""
-    tensor = _Tensor
-    if isinstance(value, tensor):
-        return [(value, 0)] if (value.is_floating_point() or value.is_complex()) and value.numel() else []
-    items = _items(value)
-    if items is None:
-        return []
-    out = []
-    for k, v in items:
-        if isinstance(v, tensor):
-            if (v.is_floating_point() or v.is_complex()) and v.numel():
-                out.append((v, k))
-        elif isinstance(v, tuple) and hasattr(type(v), "_fields"):
-            out.extend((f, (k, j)) for j, f in enumerate(v)
-                       if isinstance(f, tensor) and (f.is_floating_point() or f.is_complex()) and f.numel())
-    return out
+def floating_tensor(t: Any) -> bool:
+    """A non-empty floating (or complex) tensor: what a sink, a record or a replay judges."""
+    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
 _DEPTH = 4  # levels of containers walked for the tensors a call made (an LSTM's (output, (h, c)) has two)
 
 
-def made_within(value: Any) -> list:
-    """(tensor, key) for every floating tensor of an output, however nested (to _DEPTH): what the call made, so
-    that code using one later (an LSTM's state, a field of a nested output) is known to use the call's output,
-    and a replay hands it the replayed one. Keys are :func:`floating` 's for its tensors; a path tuple below."""
+def output_leaves(value: Any) -> list:
+    """(tensor, key, sink) for every floating tensor of an output, to _DEPTH levels: what the call made, so that
+    code using one later (an LSTM's state, a field of a nested output) is known to use the call's output, and a
+    replay hands it the replayed one. Key: 0 for a tensor; the index, dict key or dataclass field name of an item;
+    a path tuple below. ``sink``: the tensors that are the output's sinks: the output itself, its items (a
+    tuple/list's, a dict's values, a dataclass's fields), and the fields of a named tuple among those (an LSTM's
+    PackedSequence, whose ``data`` is the output). Deeper ones are not: a KV cache of tuples in tuples would cost a
+    pass over it at every decoding step."""
     if isinstance(value, _Tensor):
-        return floating(value)
+        return [(value, 0, True)] if floating_tensor(value) else []
     out: list = []
-    _leaves_into(out, value, (), _DEPTH)
+    _leaves_into(out, value, (), _DEPTH, True)
     return out
 
 
-def _leaves_into(out: list, value: Any, path: tuple, depth: int) -> None:
+def made_within(value: Any) -> list:
+    """(tensor, key) for every floating tensor of an output (see :func:`output_leaves`)."""
+    return [(t, k) for t, k, _ in output_leaves(value)]
+
+
+def _leaves_into(out: list, value: Any, path: tuple, depth: int, sinks: bool) -> None:
     items = _items(value)
     if items is None:
         return
     for k, v in items:
+        key = (*path, k) if path else k
         if isinstance(v, _Tensor):
-            if (v.is_floating_point() or v.is_complex()) and v.numel():
-                out.append((v, (*path, k) if path else k))
-        elif depth > 1:
-            _leaves_into(out, v, (*path, k), depth - 1)
+            if floating_tensor(v):
+                out.append((v, key, sinks))
+        elif depth > 1:  # (below the top, only a named tuple's fields are sinks)
+            named = isinstance(v, tuple) and hasattr(type(v), "_fields")
+            _leaves_into(out, v, (*path, k), depth - 1, sinks and not path and named)
 
 
 def _items(value: Any) -> Any:
@@ -673,14 +666,6 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
     return refs
 
 
-def _nested_made(t: _Thread, output: Any, outputs: list, index: int) -> None:
-    """The call's tensors that are not its sinks (an LSTM's (h, c)) are still known as its outputs."""
-    every = made_within(output)
-    if len(every) > len(outputs):
-        sunk = {id(o) for o, _ in outputs}
-        _made(t, [(o, k) for o, k in every if id(o) not in sunk], index)
-
-
 def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     __tracebackhide__ = True
     t = _here.state
@@ -690,7 +675,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None or entry is None:
         return
-    outputs = floating(output)
+    leaves = output_leaves(output)
+    outputs = [(o, k) for o, k, sink in leaves if sink]
     devices = g.options.devices
     if devices is not None:
         outputs = [(o, k) for o, k in outputs if o.device.type in devices]
@@ -703,8 +689,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if index >= 0:
         call.index = index
         window.append(call)
-        if not isinstance(output, _Tensor):
-            _nested_made(t, output, outputs, index)
+        if len(leaves) > len(outputs):  # the call's other tensors (an LSTM's (h, c)) are still its outputs
+            sunk = {id(o) for o, _ in outputs}
+            _made(t, [(o, k) for o, k, _ in leaves if id(o) not in sunk], index)
     key = id(module)
     t.calls[key] = t.calls.get(key, 0) + 1
     if training and module.training:
