@@ -134,29 +134,32 @@ class Session:
         module = _calling_module(sys._getframe(2), self.stop) if root is not None else None
         if module is None:
             module = root  # an op of the root's own forward (the replay calls it without _call_impl)
-        schema = getattr(func, "_schema", None)
         written = op not in sinks.UNINITIALIZED  # (else: no op made its bits)
+        schema = getattr(func, "_schema", None)
+        mutable = schema is not None and schema.is_mutable
+        made_by = (name, frames, module, root, tuple(leaves), tuple(numbers))
         for o in outputs:
-            index = len(self.records)
             found = kinds(o) if o.numel() and written else frozenset()
-            if found and len(self.alive) < 4096:
-                self.alive.append(o)
-            record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
-                              weakref.ref(o), tuple(o.shape), o.dtype, constant, tuple(numbers))
-            record.event = self.event
-            self.records.append(record)
-            self.producer[id(o)] = (weakref.ref(o), index)
-        if schema is not None and schema.is_mutable:
-            for o in outputs:
-                if o._base is not None:
-                    self._wrote_into(o._base, self.records[self.producer_of(o)].kinds, name, frames, module, root,
-                                     inputs, leaves, constant, numbers)
+            self._add(o, found, inputs, constant, made_by)
+            if mutable and o._base is not None:
+                self._wrote_into(o._base, found, inputs, constant, made_by)
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
-    def _wrote_into(self, base: Any, written: frozenset, name: str, frames: tuple, module: Any, root: Any, inputs: list,
-                    leaves: list, constant: bool, numbers: list) -> None:
-        """An in-place op wrote ``written`` (the kinds of the view it wrote) into a view of ``base``
+    def _add(self, tensor: Any, found: frozenset, inputs: list, constant: bool, made_by: tuple) -> None:
+        """The record of ``tensor``, holding ``found``, as made by the op ``made_by`` (name, frames, module, root,
+        leaves, numbers) from the records ``inputs``; what reads ``tensor`` from now on reads this record."""
+        name, frames, module, root, leaves, numbers = made_by
+        if found and len(self.alive) < 4096:
+            self.alive.append(tensor)
+        record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), leaves, found, weakref.ref(tensor),
+                          tuple(tensor.shape), tensor.dtype, constant, numbers)
+        record.event = self.event
+        self.producer[id(tensor)] = (weakref.ref(tensor), len(self.records))
+        self.records.append(record)
+
+    def _wrote_into(self, base: Any, brought: frozenset, inputs: list, constant: bool, made_by: tuple) -> None:
+        """An in-place op wrote ``brought`` (the kinds of the view it wrote) into a view of ``base``
         (``buffer[:, :n].copy_(x)``, how padding, packing and caches fill a buffer): what reads ``base`` from now on
         reads this write, and the writes before it. Made in the replay, the buffer holds what its writes brought,
         not what its unwritten part holds (``torch.empty``'s memory may hold the NaN bits of a freed tensor)."""
@@ -164,18 +167,10 @@ class Session:
             return
         previous = self.producer_of(base)
         if previous is not None:
-            inputs = [*inputs, previous]
-            constant = constant and self.records[previous].constant
-            found = written | self.records[previous].kinds
-        else:
-            found = kinds(base) if base.numel() else frozenset()  # (from outside the replay: read as it is now)
-        if found and len(self.alive) < 4096:
-            self.alive.append(base)
-        record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), tuple(leaves), found,
-                          weakref.ref(base), tuple(base.shape), base.dtype, constant, tuple(numbers))
-        record.event = self.event
-        self.producer[id(base)] = (weakref.ref(base), len(self.records))
-        self.records.append(record)
+            self._add(base, brought | self.records[previous].kinds, [*inputs, previous],
+                      constant and self.records[previous].constant, made_by)
+        else:  # (from outside the replay: read as it is now)
+            self._add(base, kinds(base) if base.numel() else frozenset(), inputs, constant, made_by)
 
 
 def kinds(tensor: Any) -> frozenset:
@@ -646,8 +641,7 @@ def _saved_non_finite(node: Any) -> bool:
             except RuntimeError:  # (freed, or saved in a form without a Python view)
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() and \
-                        kinds(t) - {"-inf"}:
+                if isinstance(t, torch.Tensor) and sinks.floating_tensor(t) and kinds(t) - {"-inf"}:
                     return True
     return False
 
