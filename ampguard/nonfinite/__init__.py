@@ -110,8 +110,6 @@ def _eager_names_off() -> None:
         _eager_names = None
 
 
-REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
-                           "module and optimizer hooks: record outermost calls, check the sinks at the step"))
 def _module_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     try:
@@ -139,6 +137,8 @@ def _switch_module_compile() -> Any:
     return off
 
 
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
+                           "module and optimizer hooks: record outermost calls, check the sinks at the step"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
                            "a model compiled in place runs its hooks compiled: its call is made an outermost call "
                            "around the compiled code"))

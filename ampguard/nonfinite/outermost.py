@@ -197,17 +197,24 @@ def _global_pre(module: Any, args: Any) -> None:
 def _open(module: Any, frame: Any, mode: int) -> None:
     if mode == NOT_OUTERMOST:
         return
-    local = _here.state
-    local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
     pre, post = H.ids  # the instance hooks that end this call (_detach() takes them off)
     module._forward_pre_hooks[pre] = _instance_pre
     module._forward_hooks[post] = _instance_post
     module._forward_hooks_with_kwargs[post] = True
     module._forward_hooks_always_called[post] = True
     H.attached[id(module)] = module
+    _begin(module, frame, mode)
+
+
+def _begin(module: Any, frame: Any, mode: int) -> int:
+    """This thread's outermost call is now ``module``'s; the global hook is off for it unless trace='eager'.
+    Returns the call's generation."""
+    local = _here.state
+    local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
     if mode == OUTERMOST:
         local.suspended = True
         _suspend()
+    return local.generation
 
 
 @fail_safe("nonfinite")
@@ -301,13 +308,7 @@ def _enter_compiled(module: Any, frame: Any) -> int | None:
     if H.handle is None:
         return None
     mode = H.enter(module, frame)
-    if mode == NOT_OUTERMOST:
-        return None
-    local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
-    if mode == OUTERMOST:
-        local.suspended = True
-        _suspend()
-    return local.generation
+    return None if mode == NOT_OUTERMOST else _begin(module, frame, mode)
 
 
 @fail_safe("nonfinite")
