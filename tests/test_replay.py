@@ -755,3 +755,94 @@ def test_a_loss_check_read_at_the_next_forward_says_so_and_one_read_at_the_step_
         opt.step()
     assert late.value.op == at_step.value.op == "torch.log"
     assert "Read at this module call" not in str(at_step.value)
+
+
+# a call that writes into its own input ------------------------------------------------------------------------
+class FlipsItsInput(torch.nn.Module):
+    """Writes into the caller's batch, as an in-place normalisation does: by the check the batch holds the written
+    value, so a replay from it takes the other branch of the sign."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        x.mul_(-1)  # FLIP LINE
+        return self.fc(x.sqrt())
+
+
+def test_a_call_that_writes_into_its_input_is_named_when_the_value_does_not_reproduce():
+    ampguard.install()
+    model = FlipsItsInput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.rand(8, 4)).pow(2).mean().backward()  # flipped to negative: sqrt is NaN
+        opt.step()
+    message = str(info.value)
+    assert "did not reproduce" in message, message
+    assert "The call writes into its input in place: argument 0 of the call of 'FlipsItsInput' is changed by " \
+        f"Tensor.mul_ at\n    {__file__}:{line_of(FlipsItsInput.forward, 'FLIP LINE')} in forward" in message, message
+    assert "the likely reason it did not reproduce" in message, message
+
+
+class NormalisesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        x.sub_(0.5).div_(2.0)  # NORMALISE LINE
+        h = self.fc(x)
+        return self.head((h - h.min().detach()).log())  # LOG LINE: log(0) at the minimum
+
+
+def test_a_call_that_writes_into_its_input_is_named_beside_an_origin_found_from_the_written_value():
+    ampguard.install()
+    model = NormalisesItsInput()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.rand(8, 4)).pow(2).mean().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    err = info.value
+    assert err.op == "Tensor.log", str(err)
+    assert "argument 0 of the call of 'NormalisesItsInput' is changed by Tensor.sub_ at" in str(err), str(err)
+    assert "Tensor.div_" not in str(err)  # the first write names the input; one line per input
+    assert "the origin above is where that value became non-finite" in str(err), str(err)
+
+
+def test_loss_code_that_writes_into_its_target_is_named():
+    ampguard.install()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_code(out, target):
+        target.mul_(-1)  # TARGET LINE
+        return (out - target.sqrt()).pow(2).mean()
+
+    target = torch.rand(8, 1)  # the data, made before the model call: an input of the loss code
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        loss_code(model(torch.randn(8, 4)), target).backward()
+        opt.step()
+    message = str(info.value)
+    assert "did not reproduce" in message, message
+    assert f"an input of the loss code is changed by Tensor.mul_ at\n    {__file__}:" \
+        f"{line_of(loss_code, 'TARGET LINE')} in loss_code" in message, message
+
+
+def test_a_call_that_writes_only_into_its_own_tensors_names_no_input():
+    """x = x * 2; x.add_(1): the write is into a tensor the call made, not into its input."""
+    ampguard.install()
+
+    class Own(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.add_(1)
+            return (y - 3).log()
+
+    x = torch.rand(4, 4, requires_grad=True)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        Own()(x).sum().backward()
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
+    assert info.value.op == "Tensor.log" and "writes into its input" not in str(info.value), str(info.value)

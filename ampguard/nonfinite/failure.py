@@ -164,7 +164,8 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
             return _explain(g, p, fused, window, again, note=_FUSED)
         return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink, first=""),
                           "  It stayed finite both on torch's slow path (replayed with torch-function naming) and at "
-                          "the dispatch level (the fused fast path, if the call takes one)."])
+                          "the dispatch level (the fused fast path, if the call takes one).",
+                          *_written_inputs(session, False)])
     return _explain(g, p, session, window, target)
 
 
@@ -196,7 +197,7 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
         if call is not None and call.steps != T.steps:
             lines.append("  An optimizer step was applied after the call, so the replay ran with the updated "
                          "parameters.")
-        return _plain(p, lines)
+        return _plain(p, [*lines, *_written_inputs(session, False)])
     start = session.producer_of(target)
     kind = replay.primary(replay.kinds(target)) or "nan"
     noted = [note] if note else []
@@ -209,13 +210,38 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
 def _label(rec: replay.OpRecord) -> tuple[str, str]:
     """(how the op reads in the message, what err.op is): torch.log where the aten op is the torch call's
     own, aten.bmm inside torch.nn.functional.multi_head_attention_forward where it is one of many."""
-    aten = rec.name.partition(".")[2].strip("_")
-    if rec.fn is not None:
-        fn = report.op_name(rec.fn)
-        if fn.rpartition(".")[2].strip("_").rstrip("_") == aten.rstrip("_"):
-            return fn, fn
-        return f"{rec.name} inside {fn}", rec.name
-    return rec.name, rec.name
+    return _op_label(rec.name, rec.fn)
+
+
+def _op_label(name: str, fn: Any) -> tuple[str, str]:
+    aten = name.partition(".")[2].strip("_")
+    if fn is not None:
+        words = report.op_name(fn)
+        if words.rpartition(".")[2].strip("_").rstrip("_") == aten.rstrip("_"):
+            return words, words
+        return f"{name} inside {words}", name
+    return name, name
+
+
+def _written_inputs(session: replay.Session, reproduced: bool) -> list[str]:
+    """Lines naming each input the call writes into in place (``x.sub_(mean)`` in a forward, ``y.clamp_(0, 1)`` in
+    the loss code). Found by the replay, at no cost to the normal path: by the check the input held the written
+    value, so the replay started from it, not from what the call was given."""
+    if not session.written:
+        return []
+    lines = []
+    for where, name, fn, frames in session.written.values():
+        own, _, _ = report.sites(frames, fn)
+        lines.append(f"  The call writes into its input in place: {where} is changed by {_op_label(name, fn)[0]} at"
+                     f"\n    {report.where(own)}")
+    if reproduced:
+        lines.append("  So the replay started from the written value, not from what the call was given (ampguard "
+                     "copies no input on the normal path): the origin above is where that value became non-finite.")
+    else:
+        lines.append("  So the replay started from the written value, not from what the call was given (ampguard "
+                     "copies no input on the normal path): the likely reason it did not reproduce. Write into a copy "
+                     "instead (an out-of-place op: x = x.sub(mean), not x.sub_(mean)) to have the call replayed.")
+    return lines
 
 
 def _became(rec: replay.OpRecord) -> str:
@@ -300,6 +326,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                              f"the output of {_label(records[m[1]])[0]}" for m in masks})
         lines.append("  Inputs that hold only -Inf and depend on no parameter, as attention masks do, were not "
                      f"counted as a cause: {', '.join(mask_names)}.")
+    lines.extend(_written_inputs(session, True))
     chain = [_label(records[i])[0] for i in result["path"]]
     shown = chain if len(chain) <= 8 else [*chain[:3], f"... {len(chain) - 6} ops ...", *chain[-3:]]
     lines.append(f"  path to the sink: {' -> '.join(shown)}")
@@ -393,7 +420,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         found = replay.backward_origin(session, loss, params)
     if not found or ("hook" in found and found_kinds is not None):
         # (a hook at scale 1, in GradScaler's check, is judged as the overflow it usually stands in for)
-        return None, None, None, [*how, _BACKWARD_NOT_REPRODUCED]
+        return None, None, None, [*how, _BACKWARD_NOT_REPRODUCED, *_written_inputs(session, False)]
     if "hook" in found:
         return _hooked(g, window, found, how)
     if found_kinds is not None:
@@ -422,7 +449,8 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
                  f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
-    return forward, module, report.stack_summary(user) if user else None, [*lines, *how]
+    return forward, module, report.stack_summary(user) if user else None, \
+        [*lines, *_written_inputs(session, True), *how]
 
 
 def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, made: int, found: dict,
@@ -447,7 +475,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
                  f"gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). Keep the value finite where it is "
                  "made (a fully masked attention row: mask with a large negative number, or give such rows one "
                  "unmasked key).")
-    return op, module, report.stack_summary(user) if user else None, [*lines, *how]
+    return op, module, report.stack_summary(user) if user else None, [*lines, *_written_inputs(session, True), *how]
 
 
 def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any, None, Any, list[str]]:

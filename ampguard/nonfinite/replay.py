@@ -73,6 +73,9 @@ class Session:
         self.nodes: list = []  # those nodes, alive while the ids are used
         self.node_module: dict[int, tuple[Any, Any]] = {}  # id(output node of a module's torch call) -> (module, root)
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
+        # id(copy of an input) -> (which input, aten op, torch function, frames) of the first replayed op that wrote
+        # into it in place: the original call wrote into the input itself, so the replay started from the written value
+        self.written: dict[int, tuple] = {}
         self.site: tuple | None = None  # the user's frame that made the call being replayed
         self.alive: list = []  # non-finite outputs, kept for the report while the session lives
         self.event = -1  # the window event being replayed
@@ -138,6 +141,8 @@ class Session:
         schema = getattr(func, "_schema", None)
         mutable = schema is not None and schema.is_mutable
         made_by = (name, frames, module, root, tuple(leaves), tuple(numbers))
+        if mutable and self.cloned:
+            self._note_written(outputs, name, frames)
         for o in outputs:
             found = kinds(o) if o.numel() and written else frozenset()
             self._add(o, found, inputs, constant, made_by)
@@ -145,6 +150,13 @@ class Session:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
+
+    def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
+        """An in-place op wrote into a copy of a call's input (or a view of one): the call writes into its input."""
+        for o in outputs:
+            for t in (o, o._base):
+                if t is not None and id(t) in self.cloned and id(t) not in self.written:
+                    self.written[id(t)] = (self.cloned[id(t)], name, self.fn, frames)
 
     def _add(self, tensor: Any, found: frozenset, inputs: list, constant: bool, made_by: tuple) -> None:
         """The record of ``tensor``, holding ``found``, as made by the op ``made_by`` (name, frames, module, root,
