@@ -269,7 +269,11 @@ def test_doctor_exits_1_where_ampguard_is_not_installed(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPGUARD", "PYTHON", "VIRTUAL_ENV"))}
     env["PYTHONPATH"] = root
-    proc = subprocess.run([sys._base_executable, "-m", "ampguard", "doctor"], capture_output=True, text=True,
+    # sys._base_executable is the venv's own python on Python 3.10; the base prefix's interpreter is the base one
+    base = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+    if not os.path.exists(base):
+        base = sys._base_executable
+    proc = subprocess.run([base, "-m", "ampguard", "doctor"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "torch is not installed; ampguard needs torch >= 2.4" in proc.stdout
