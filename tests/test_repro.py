@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ampguard
+from ampguard.nonfinite import repro as repro_module
 
 MODELS = '''
 import torch
@@ -169,15 +170,29 @@ def test_a_value_that_does_not_reproduce_exits_0_and_says_so(python, code, monke
     error = nan_step(code, monkeypatch, 1)
     # rewrite the bundle as a transient fault would leave it: the same call, now finite
     meta = torch.load(error.repro, weights_only=True)
-    body = torch.load(__import__("io").BytesIO(meta["payload"]), weights_only=False)
+    body = torch.load(__import__("io").BytesIO(repro_module._as_bytes(meta["payload"])), weights_only=False)
     body["module"].bad = False
     buffer = __import__("io").BytesIO()
     torch.save(body, buffer)
-    meta["payload"] = buffer.getvalue()
+    meta["payload"] = repro_module._as_tensor(buffer.getvalue())
     torch.save(meta, error.repro)
     out = repro(python, error.repro, code)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "did not reproduce" in out.stdout and "transient fault" in out.stdout
+
+
+def test_the_payload_is_a_tensor_and_a_bundle_whose_payload_is_bytes_still_loads(python, code, monkeypatch):
+    """The payload is a uint8 tensor: torch before 2.5 loads no bytes with weights_only=True. A bundle written
+    before that, with the payload as bytes, loads as it did (on a torch that loads bytes)."""
+    error = nan_step(code, monkeypatch, 1)
+    meta = torch.load(error.repro, weights_only=True)
+    assert isinstance(meta["payload"], torch.Tensor) and meta["payload"].dtype == torch.uint8
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5):
+        return  # (this torch cannot load the older format's outer layer with weights_only=True)
+    meta["payload"] = repro_module._as_bytes(meta["payload"])
+    torch.save(meta, error.repro)
+    out = repro(python, error.repro, code)
+    assert out.returncode == 1 and "created by" in out.stdout, out.stdout + out.stderr
 
 
 def test_broken_bundles_get_one_line_not_a_traceback(python, code, tmp_path):

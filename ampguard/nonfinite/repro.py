@@ -15,6 +15,7 @@ runs it under a fresh guard and prints the same origin report.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import io
 import os
@@ -104,7 +105,7 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
         "versions": {"torch": str(torch.__version__), "ampguard": str(_version()), "python": platform.python_version()},
         "options": {k: repr(v) for k, v in g.options.as_dict().items()},
         "message": str(error), "op": error.op, "sink": error.sink, "script": sys.argv[0] if sys.argv else "",
-        "rank": rank, "payload": data, "payload_weights_only": weights_only, **captured,
+        "rank": rank, "payload": _as_tensor(data), "payload_weights_only": weights_only, **captured,
     }
     folder = os.path.abspath(os.path.expanduser(g.options.repro_dir))
     os.makedirs(folder, exist_ok=True)
@@ -213,6 +214,20 @@ def _check_bundlable(module: Any) -> None:
             raise NotBundled("modules with sharded (DTensor) parameters are not bundled: each rank holds only a shard")
 
 
+def _as_tensor(data: bytes) -> Any:
+    """The inner payload as a uint8 tensor: torch before 2.5 loads no ``bytes`` with weights_only=True (protocol 2
+    pickles them through ``_codecs.encode``, which its allowlist lacks), and every torch loads a tensor."""
+    return sinks._torch.frombuffer(bytearray(data), dtype=sinks._torch.uint8)
+
+
+def _as_bytes(payload: Any) -> bytes:
+    """The inner payload's bytes (a bundle written before the payload was a tensor holds bytes)."""
+    if isinstance(payload, bytes):
+        return payload
+    payload = payload.contiguous().cpu()
+    return ctypes.string_at(payload.data_ptr(), payload.numel()) if payload.numel() else b""
+
+
 def _loads_weights_only(data: bytes) -> bool:
     try:
         sinks._torch.load(io.BytesIO(data), weights_only=True)
@@ -275,7 +290,7 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise BadBundle(f"{path} is not an ampguard reproducer bundle (format {FORMAT} expected)")
     if meta["kind"] == "op":
-        payload = torch.load(io.BytesIO(meta["payload"]), weights_only=True, map_location=where)
+        payload = torch.load(io.BytesIO(_as_bytes(meta["payload"])), weights_only=True, map_location=where)
         try:
             func = _resolve_func(payload["func"])
         except (ImportError, AttributeError):
@@ -284,7 +299,7 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
         how = "loaded with weights_only=True (an op and its tensors)"
         return meta, module, payload["args"], {}, how
     try:
-        payload = torch.load(io.BytesIO(meta["payload"]), weights_only=False, map_location=where)
+        payload = torch.load(io.BytesIO(_as_bytes(meta["payload"])), weights_only=False, map_location=where)
     except (ImportError, AttributeError) as exc:
         cls = meta.get("module_class") or "?"
         if cls.startswith("__main__."):
