@@ -30,10 +30,13 @@ def test_a_torch_warning_inside_a_wrapped_call_keeps_its_file_and_line(python, t
     plain = python(None, "-W", "always", str(script), "plain")
     guarded = python(None, "-W", "always", str(script), "guarded")
     line = [x for x in plain.stderr.splitlines() if "Detected call of `lr_scheduler.step()`" in x]
-    assert line and line[0].startswith(f"{script}:9: UserWarning: Detected call"), plain.stderr
+    # (torch 2.4 and 2.6 give this warning no stacklevel: there it names torch's own line, with or without ampguard)
+    at_user = bool(line) and line[0].startswith(f"{script}:9: UserWarning: Detected call")
+    assert at_user or (line and "/torch/optim/lr_scheduler.py:" in line[0]), plain.stderr
     assert [x for x in guarded.stderr.splitlines() if "Detected call" in x] == line, guarded.stderr
     # so a filter on the user's module still catches it, as without ampguard
-    assert "caught by a filter on __main__" in plain.stdout and "caught by a filter on __main__" in guarded.stdout
+    caught = "caught by a filter on __main__"
+    assert (caught in plain.stdout) == at_user and (caught in guarded.stdout) == at_user, guarded.stdout
 
 
 def test_uninstall_restores_warnings_warn_by_identity():

@@ -739,7 +739,6 @@ _tape: Any = None
 def _make_tape() -> Any:
     torch = _torch
     tensor = torch.Tensor
-    skipped: dict[Any, bool] = {}  # func -> whether the tape ignores it (_SKIP_NAMES): once per function
 
     class Tape(torch.overrides.TorchFunctionMode):
         """Records the loss code's top-level torch calls; no on-device work, no reads."""
@@ -754,10 +753,9 @@ def _make_tape() -> Any:
             t = _here.state
             if not t.taping or t.replaying or _transformed():
                 return out
-            skip = skipped.get(func)
-            if skip is None:
-                skip = skipped[func] = getattr(func, "__name__", "") in _SKIP_NAMES
-            if skip:
+            # (no cache of this answer: dynamo in torch 2.6 guards on a dict the mode's closure holds, and the dict's
+            # growth then failed the guard on the frame that made it, a crash of a compiled call in the loss code)
+            if getattr(func, "__name__", "") in _SKIP_NAMES:
                 return out
             try:
                 if isinstance(out, tensor):
