@@ -846,3 +846,58 @@ def test_a_call_that_writes_only_into_its_own_tensors_names_no_input():
         Own()(x).sum().backward()
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
     assert info.value.op == "Tensor.log" and "writes into its input" not in str(info.value), str(info.value)
+
+
+# a loop that computes its gradients with torch.autograd.grad and sets .grad itself ---------------------------------
+def _grad_step(model, opt, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt.step()
+
+
+def test_a_loop_of_autograd_grad_trains_as_without_ampguard():
+    runs = []
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with ampguard.guard() if guarded else warnings.catch_warnings():
+            for i in range(4):
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+                _grad_step(model, opt, model(x).pow(2).mean())
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_a_backward_nan_in_a_loop_of_autograd_grad_names_the_forward_op():
+    """No backward() runs: the replay found no loss, fell back to the model's outputs, and crashed on the graph the
+    replayed torch.autograd.grad had freed ("could not replay it: ... backward through the graph a second time")."""
+    ampguard.install()
+    model = SqrtAtZero()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _grad_step(model, opt, model(torch.randn(3, 4)).pow(2).mean())
+    err = info.value
+    assert err.sink == "gradient of parameter 'fc.weight'" and err.op == "torch.sqrt", str(err)
+    assert "could not replay" not in str(err) and "loss code was not recorded" not in str(err), str(err)
+    assert err.origin[-1].lineno == line_of(SqrtAtZero.forward, "BACKWARD NAN")
+
+
+def test_a_forward_nan_in_a_loop_of_autograd_grad_reaches_the_loss_sink():
+    """The loss torch.autograd.grad differentiates is a loss sink, as backward()'s is: the forward NaN is named as
+    one, not as gradients whose loss 'stayed finite'."""
+    ampguard.install()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_code(out):
+        return (out - out.max().detach() - 1).log().mean()  # LOG LINE: log of negative values
+
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _grad_step(model, opt, loss_code(model(torch.randn(6, 4))))
+    err = info.value
+    assert err.sink == "loss" and err.op == "Tensor.log", str(err)
+    assert err.origin[-1].lineno == line_of(loss_code, "LOG LINE")
+    assert "stayed finite" not in str(err)

@@ -144,6 +144,8 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
                            "around the compiled code"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
+REGISTRY.add(Target("torch", "torch.autograd", "grad", sinks._autograd_grad,
+                    "the loss sink of a loop that sets .grad from torch.autograd.grad", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,
                     "the loss sink under AMP", feature=FEATURE))
 for _module in ("torch.nn.utils.clip_grad", "torch.nn.utils"):

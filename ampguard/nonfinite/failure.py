@@ -404,6 +404,8 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
     with replay.untouched(window), replay.anomaly_metadata():
         replay.run_window(session, window)
         loss = next((t for ref in reversed(losses) if (t := replay.replayed_ref(session, ref)) is not None), None)
+        if loss is None:
+            loss = replay.grad_loss(session, window)  # a loop of torch.autograd.grad and .grad = g
         how = []
         if loss is None or loss.grad_fn is None:
             call = next(c for c in reversed(window) if type(c) is Call and c.grad)

@@ -464,6 +464,8 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         op: TapeOp = event
         args = _map(session, op.args, True, "an input of the loss code")
         kwargs = _map(session, op.kwargs, True, "an input of the loss code")
+        if op.func is torch.autograd.grad:
+            args, kwargs = _retaining(args, kwargs)
         session.frames = op.frames
         try:
             with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
@@ -472,6 +474,35 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
             session.frames = None
         _map_outputs(session, index, out)
         _claim_nodes(session, index, out)
+
+
+def _retaining(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """torch.autograd.grad's arguments with retain_graph=True. In the loss code it is a gradient penalty, or a loop's
+    own backward (it sets .grad from what grad returns): the backward replay runs through that graph again, which the
+    replayed grad would otherwise have freed. The values it returns are the same."""
+    if len(args) > 3:  # grad(outputs, inputs, grad_outputs, retain_graph, ...)
+        return (*args[:3], True, *args[4:]), kwargs
+    return args, {**kwargs, "retain_graph": True}
+
+
+def grad_loss(session: Session, window: list) -> Any:
+    """The replayed loss that the last torch.autograd.grad of the loss code without create_graph took: the loss of
+    a loop that computes its gradients itself (no backward(), so no loss sink knows it), or None."""
+    torch = sinks._torch
+    for event in reversed(window):
+        if type(event) is not TapeOp or event.func is not torch.autograd.grad:
+            continue
+        kwargs = event.kwargs or {}
+        if kwargs.get("create_graph", event.args[4] if len(event.args) > 4 else False):
+            continue  # a gradient penalty: part of the loss, not the step's backward
+        outputs = event.args[0] if event.args else kwargs.get("outputs")
+        refs = [outputs] if isinstance(outputs, Ref) else \
+            [o for o in outputs if isinstance(o, Ref)] if isinstance(outputs, (tuple, list)) else []
+        for ref in refs:
+            loss = replayed_ref(session, ref)
+            if loss is not None:
+                return loss
+    return None
 
 
 def _claim_module(session: Session, out: Any, frame: Any) -> None:

@@ -874,6 +874,29 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         raise
 
 
+def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.autograd.grad`` without create_graph: the backward of a loop that computes its gradients itself and
+    sets ``.grad`` (no backward() runs, so its loss is the sink here). Nothing else changes: the loss-code record
+    goes on and records the call, which a replay runs again. With create_graph it is loss code (a gradient
+    penalty), whose output is no loss."""
+    __tracebackhide__ = True
+    g = _guard.current(FEATURE)
+    t = _here.state
+    if g is None or t.replaying or kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+        return wrapped(*args, **kwargs)
+    try:
+        roots = args[0] if args else kwargs.get("outputs")
+        roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
+        for r in roots:
+            if isinstance(r, _Tensor) and r.is_floating_point() and not scaled(r):
+                add_loss(g, r)
+    except (AmpGuardError, AmpGuardWarning) as intended:
+        raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return wrapped(*args, **kwargs)
+
+
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
     g = _guard.current(FEATURE)
