@@ -58,12 +58,18 @@ class Wrapper(wrapt.FunctionWrapper):
             raise TypeError(f"cannot pickle {original!r}")
         return pkgutil.resolve_name, (f"{module}:{name}",)
 
-    @property
-    def _torchdynamo_inline(self) -> Any:
-        original = self.__wrapped__
-        while isinstance(original, wrapt.FunctionWrapper):
-            original = original.__wrapped__
-        return original
+
+def _module_function_wrapper(original: Any, wrapper: Callable[..., Any]) -> Wrapper:
+    """A Wrapper of ``original`` whose class names torch's function as ``_torchdynamo_inline``: dynamo traces that
+    function (through getattr), and ``inspect.getattr_static``, which dynamo's trace rules read, finds an object of
+    each function's own. One property shared by every Wrapper made each patched function load as that one property
+    there, so that two patched functions with different rules (``torch.autograd.grad`` traced in graphs,
+    ``destroy_process_group`` skipped) failed dynamo's import ("Duplicate torch object")."""
+    function = original
+    while isinstance(function, wrapt.FunctionWrapper):  # (another feature's wrapper of the same function)
+        function = function.__wrapped__
+    cls = type("Wrapper", (Wrapper,), {"_torchdynamo_inline": staticmethod(function), "__module__": __name__})
+    return cls(original, wrapper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +277,7 @@ class Registry:
                 return
         # A module's function is traced by torch.compile as the original (a class's method is bound first: dynamo
         # would call the original unbound)
-        kind = Wrapper if isinstance(cls, types.ModuleType) else wrapt.FunctionWrapper
+        kind = _module_function_wrapper if isinstance(cls, types.ModuleType) else wrapt.FunctionWrapper
         replacement = kind(original, target.wrapper)
         # Recorded first: an interrupt between the two leaves a record uninstall() resolves, never a
         # replaced attribute nobody knows about.

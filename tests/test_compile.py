@@ -382,3 +382,20 @@ def test_torch_export_works_under_ampguard_1(python):
         print("exported")
     """, env={"AMPGUARD": "1"}, timeout=240)
     assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_dynamo_loads_its_trace_rules_with_every_patch_applied(python):
+    """Each patched module function shows dynamo's trace rules (``inspect.getattr_static``) an object of its own:
+    one property shared by all of them made two patched functions with different rules (torch.autograd.grad,
+    traced in graphs; destroy_process_group, skipped) fail ``import torch._dynamo`` ("Duplicate torch object")."""
+    proc = python("""
+        import inspect
+        import torch, ampguard
+        original = torch.autograd.grad
+        ampguard.install()
+        import torch._dynamo.trace_rules as rules
+        rules.get_torch_obj_rule_map()
+        inline = inspect.getattr_static(torch.autograd.grad, "_torchdynamo_inline")
+        print("loaded", torch.autograd.grad is not original and inline.__func__ is original)
+    """)
+    assert proc.returncode == 0 and "loaded True" in proc.stdout, proc.stdout + proc.stderr

@@ -882,7 +882,9 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     __tracebackhide__ = True
     g = _guard.current(FEATURE)
     t = _here.state
-    if g is None or t.replaying or kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+    if g is None or t.replaying or kwargs.get("create_graph", args[4] if len(args) > 4 else False) or \
+            _is_compiling() or _transformed():
+        # (torch's own calls: AOTAutograd tracing a compiled backward on fake tensors, torch.func's transforms)
         return wrapped(*args, **kwargs)
     try:
         roots = args[0] if args else kwargs.get("outputs")
