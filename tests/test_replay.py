@@ -901,3 +901,16 @@ def test_a_forward_nan_in_a_loop_of_autograd_grad_reaches_the_loss_sink():
     assert err.sink == "loss" and err.op == "Tensor.log", str(err)
     assert err.origin[-1].lineno == line_of(loss_code, "LOG LINE")
     assert "stayed finite" not in str(err)
+
+
+def test_torch_autograd_grad_on_fake_tensors_is_left_alone():
+    """Tracing code calls torch.autograd.grad on fake tensors (AOTAutograd does, and torch 2.6 does not say it is
+    compiling then): their value cannot be read, so they are no loss sink, and the feature stays on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = ampguard.install()
+    with FakeTensorMode():
+        w = torch.randn(3, requires_grad=True)
+        (grad,) = torch.autograd.grad((w * 2).sum(), [w])
+    assert grad.shape == (3,)
+    assert "nonfinite" in g._on

@@ -890,7 +890,9 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         roots = args[0] if args else kwargs.get("outputs")
         roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
         for r in roots:
-            if isinstance(r, _Tensor) and r.is_floating_point() and not scaled(r):
+            # (a plain tensor: torch 2.6 traces a compiled backward with this call on fake tensors, whose value
+            # cannot be read, and without saying it is compiling, as 2.13 does)
+            if (type(r) is _Tensor or type(r) is _torch.nn.Parameter) and r.is_floating_point() and not scaled(r):
                 add_loss(g, r)
     except (AmpGuardError, AmpGuardWarning) as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
