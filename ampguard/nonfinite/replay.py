@@ -486,16 +486,15 @@ def _retaining(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def grad_loss(session: Session, window: list) -> Any:
-    """The replayed loss that the last torch.autograd.grad of the loss code without create_graph took: the loss of
-    a loop that computes its gradients itself (no backward(), so no loss sink knows it), or None."""
+    """The replayed loss that the last torch.autograd.grad of the loss code without create_graph took, or None: the
+    loss of a loop that computes its gradients itself, where the loss sink did not take it (a tensor subclass)."""
     torch = sinks._torch
     for event in reversed(window):
         if type(event) is not TapeOp or event.func is not torch.autograd.grad:
             continue
-        kwargs = event.kwargs or {}
-        if kwargs.get("create_graph", event.args[4] if len(event.args) > 4 else False):
+        outputs, create_graph = sinks.autograd_grad_call(event.args, event.kwargs or {})
+        if create_graph:
             continue  # a gradient penalty: part of the loss, not the step's backward
-        outputs = event.args[0] if event.args else kwargs.get("outputs")
         refs = [outputs] if isinstance(outputs, Ref) else \
             [o for o in outputs if isinstance(o, Ref)] if isinstance(outputs, (tuple, list)) else []
         for ref in refs:

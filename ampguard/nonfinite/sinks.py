@@ -853,11 +853,7 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     try:
         _recover()
         end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
-        roots = args[0] if args else kwargs.get("tensors")
-        roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
-        for r in roots:
-            if r.is_floating_point() and not scaled(r):
-                add_loss(g, r)
+        _add_losses(g, args[0] if args else kwargs.get("tensors"), plain=False)
         t.backward_since_read = True
         t.passing = False
         t.backwards += 1
@@ -874,6 +870,23 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         raise
 
 
+def _add_losses(g: _guard.Guard, roots: Any, plain: bool) -> None:
+    """Each floating tensor of ``roots`` (what backward() or torch.autograd.grad differentiates) that no GradScaler
+    scaled is a loss sink. ``plain``: a torch.Tensor or Parameter only, not a subclass."""
+    for r in (roots,) if isinstance(roots, _Tensor) else list(roots or ()):
+        if plain and type(r) is not _Tensor and type(r) is not _torch.nn.Parameter:
+            continue
+        if r.is_floating_point() and not scaled(r):
+            add_loss(g, r)
+
+
+def autograd_grad_call(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """(outputs, create_graph) of a call ``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph,
+    create_graph, ...)``, as it was made (positionally or by keyword)."""
+    outputs = args[0] if args else kwargs.get("outputs")
+    return outputs, bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
+
+
 def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.autograd.grad`` without create_graph: the backward of a loop that computes its gradients itself and
     sets ``.grad`` (no backward() runs, so its loss is the sink here). Nothing else changes: the loss-code record
@@ -882,18 +895,14 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     __tracebackhide__ = True
     g = _guard.current(FEATURE)
     t = _here.state
-    if g is None or t.replaying or kwargs.get("create_graph", args[4] if len(args) > 4 else False) or \
-            _is_compiling() or _transformed():
+    outputs, create_graph = autograd_grad_call(args, kwargs)
+    if g is None or t.replaying or create_graph or _is_compiling() or _transformed():
         # (torch's own calls: AOTAutograd tracing a compiled backward on fake tensors, torch.func's transforms)
         return wrapped(*args, **kwargs)
     try:
-        roots = args[0] if args else kwargs.get("outputs")
-        roots = (roots,) if isinstance(roots, _Tensor) else list(roots or ())
-        for r in roots:
-            # (a plain tensor: torch 2.6 traces a compiled backward with this call on fake tensors, whose value
-            # cannot be read, and without saying it is compiling, as 2.13 does)
-            if (type(r) is _Tensor or type(r) is _torch.nn.Parameter) and r.is_floating_point() and not scaled(r):
-                add_loss(g, r)
+        # (plain tensors only: torch 2.6 traces a compiled backward with this call on fake tensors, whose value
+        # cannot be read, and without saying it is compiling, as 2.13 does)
+        _add_losses(g, outputs, plain=True)
     except (AmpGuardError, AmpGuardWarning) as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
