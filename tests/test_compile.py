@@ -286,17 +286,6 @@ def test_a_nan_in_a_compiled_training_function_is_still_stopped_before_the_step(
     del loss
 
 
-class SqrtModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(8, 16)
-        self.b = torch.nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.b(torch.sqrt(self.a(x)))  # NaN WHERE a(x) < 0
-
-
 class OwnMLP(torch.nn.Module):
     """A model of the user's own class: dynamo compiles its forward (torch's own modules are not compiled as top
     frames, so a compiled Sequential would compile nothing)."""
@@ -309,6 +298,11 @@ class OwnMLP(torch.nn.Module):
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
+
+class SqrtModel(OwnMLP):
+    def forward(self, x):
+        return self.b(torch.sqrt(self.a(x)))  # NaN WHERE a(x) < 0
 
 
 def _in_place_run(guarded):
