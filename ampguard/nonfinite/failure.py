@@ -234,13 +234,11 @@ def _written_inputs(session: replay.Session, reproduced: bool) -> list[str]:
         own, _, _ = report.sites(frames, fn)
         lines.append(f"  The call writes into its input in place: {where} is changed by {_op_label(name, fn)[0]} at"
                      f"\n    {report.where(own)}")
-    if reproduced:
-        lines.append("  So the replay started from the written value, not from what the call was given (ampguard "
-                     "copies no input on the normal path): the origin above is where that value became non-finite.")
-    else:
-        lines.append("  So the replay started from the written value, not from what the call was given (ampguard "
-                     "copies no input on the normal path): the likely reason it did not reproduce. Write into a copy "
-                     "instead (an out-of-place op: x = x.sub(mean), not x.sub_(mean)) to have the call replayed.")
+    lines.append("  So the replay started from the written value, not from what the call was given (ampguard copies no "
+                 "input on the normal path): " + (
+                     "the origin above is where that value became non-finite." if reproduced else
+                     "the likely reason it did not reproduce. Write into a copy instead (an out-of-place op: "
+                     "x = x.sub(mean), not x.sub_(mean)) to have the call replayed."))
     return lines
 
 
