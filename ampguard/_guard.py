@@ -78,10 +78,10 @@ class ObjectState(Generic[V]):
         return entry[0]() if entry is not None else None
 
     def of(self, obj: Any) -> V:
-        value = self.get(obj)
-        if value is None:
-            value = self.set(obj, self._factory(obj))
-        return value
+        entry = self._data.get(id(obj))  # (get() written out: several hooks ask at every step)
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        return self.set(obj, self._factory(obj))
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)

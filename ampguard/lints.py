@@ -60,7 +60,8 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    return g.feature_state(FEATURE, _State)
+    state = g._state.get(FEATURE)  # (feature_state() written out: two hooks ask at every step)
+    return state if state is not None else g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):
@@ -92,7 +93,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         if latest:  # each scale() judges the autocast regions since the last one
             _AUTOCAST.latest = {}
             device = getattr(instance, "_device", "cuda")
-            if latest.get(device) == (g, _bf16()):
+            if latest.get(device) == (g, sys.modules["torch"].bfloat16):
                 _warn_once(g, "bf16", (
                     f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 "
                     "has float32's exponent range, so its gradients do not underflow and loss scaling only adds a "
@@ -103,12 +104,6 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return out
-
-
-def _bf16() -> Any:
-    import torch
-
-    return torch.bfloat16
 
 
 # -- clip_grad_norm_ / clip_grad_value_ ------------------------------------------------------

@@ -44,9 +44,10 @@ class OptimizerRecord:
     applied: int = 0
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
+    ref: weakref.ref | None = None  # the optimizer, weakly (made once: each step's _PendingStep holds it)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _PendingStep:
     optimizer: weakref.ref
     found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
@@ -75,14 +76,16 @@ class _Tables:
     """This feature's per-object state, owned by one Guard."""
 
     def __init__(self) -> None:
-        self.optimizers: _guard.ObjectState[OptimizerRecord] = _guard.ObjectState(lambda _: OptimizerRecord())
+        self.optimizers: _guard.ObjectState[OptimizerRecord] = _guard.ObjectState(
+            lambda optimizer: OptimizerRecord(ref=weakref.ref(optimizer)))
         self.scalers: _guard.ObjectState[ScalerRecord] = _guard.ObjectState(lambda _: ScalerRecord())
         # (applied, skipped) of the scheduler's optimizer at the scheduler's last executed step
         self.snapshots: _guard.ObjectState[list] = _guard.ObjectState(lambda _: [0, 0])
 
 
 def tables(g: Guard) -> _Tables:
-    return g.feature_state(FEATURE, _Tables)
+    t = g._state.get(FEATURE)  # (feature_state() written out: three hooks ask at every step)
+    return t if t is not None else g.feature_state(FEATURE, _Tables)
 
 
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
@@ -92,19 +95,25 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+    counts = DEPTH.counts
+    if g is None or counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
-    _RAN.optimizer = None
-    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
+    ran = _RAN
+    ran.optimizer = None
+    counts["scaler.step"] = 1  # (DEPTH.outermost written out, as in the other hooks of every step)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scaler.step"] = 0
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
-        _remember_step(g, instance, optimizer, _RAN.optimizer is optimizer)
+        _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
     except Exception as exc:
         internal_failure(FEATURE, exc)
     finally:
-        _RAN.optimizer = None
+        ran.optimizer = None
     return result
 
 
@@ -131,7 +140,7 @@ def _decides_by_running(optimizer: Any) -> bool:
 
 def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
-    found = list(state["found_inf_per_device"].values()) if state else []
+    found = list(state["found_inf_per_device"].values()) if state else None
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
     t = tables(g)
@@ -139,7 +148,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     opt_record = t.optimizers.of(optimizer)
     if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
-    record.pending.append(_PendingStep(weakref.ref(optimizer), found, ran if _decides_by_running(optimizer) else None,
+    record.pending.append(_PendingStep(opt_record.ref, found, ran if _decides_by_running(optimizer) else None,
                                        opt_record))
     owner = opt_record.scaler
     if owner is None or owner() is not scaler:
@@ -150,7 +159,8 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
+    counts = DEPTH.counts
+    if g is None or counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
     record = None
     try:
@@ -159,7 +169,11 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
+    counts["scaler.update"] = 1
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scaler.update"] = 0
     try:
         scale, tracker = instance._scale, instance._growth_tracker
         if record is not None and record.next is not None and scale is not None and tracker is not None:
@@ -181,7 +195,8 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
     if not pending and extra is None:
         return None
     scale = scaler._scale
-    ranks = _ranks(g, scaler) if pending else None
+    dist = sys.modules.get("torch.distributed") if pending and g.options.distributed else None
+    ranks = _ranks(dist, scaler) if dist is not None and dist.is_available() and dist.is_initialized() else None
     found = _known(record, scaler, pending) if ranks is None and extra is None else None
     if found is not None:
         # Every optimizer's step() ran or not by the scaler's own decision, and the scale and tracker are
@@ -222,8 +237,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None) -> 
         record.iteration_scale = values[i]
         record.iteration_tracker = values[i + 1]
     streak = record.consecutive_skips + 1 if record.iteration_skipped else 0
-    sinks = sys.modules.get("ampguard.nonfinite.sinks")
-    if streak and streak == g.options.check_unscaled_after and sinks is not None:
+    sinks = sys.modules.get("ampguard.nonfinite.sinks") if streak and streak == g.options.check_unscaled_after \
+        else None
+    if sinks is not None:
         # The failure path: are the gradients non-finite without any scaling? Settles first.
         sinks.check_unscaled(g, settle, streak, scale=record.iteration_scale)
     else:
@@ -260,14 +276,10 @@ class _Ranks:
     world: int
 
 
-def _ranks(g: Guard, scaler: Any) -> _Ranks | None:
-    """The process group whose ranks must agree, or None outside a distributed run (or where not every
-    rank is guarded: then each rank decides alone, and none waits for a collective the others skip)."""
-    if not g.options.distributed:
-        return None
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
+def _ranks(dist: Any, scaler: Any) -> _Ranks | None:
+    """In a distributed run (``dist``: torch.distributed, initialized), the process group whose ranks must agree,
+    or None where there is one rank (or not every rank is guarded: then each rank decides alone, and none waits
+    for a collective the others skip)."""
     group = getattr(scaler, "process_group", None)
     world = dist.get_world_size(group)
     if world <= 1 or not _every_rank_guarded(dist, group, world):
@@ -473,7 +485,8 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    if g is None or DEPTH.counts.get("scheduler.step"):
+    counts = DEPTH.counts
+    if g is None or counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
@@ -491,7 +504,11 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
+    counts["scheduler.step"] = 1
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        counts["scheduler.step"] = 0
     if opt_record is not None:
         try:
             if snapshot is None:
