@@ -196,9 +196,10 @@ def conv_net(width=384, batch=8, size=32):
     return step
 
 
-def lightning_fit(log=False):
+def lightning_fit(log=False, callbacks=()):
     """Trainer.fit of one Linear, batch 2: the time per step between Lightning's batch hooks. With ``log``,
-    training_step logs the loss (to the progress bar) and the learning rate, as most real ones do."""
+    training_step logs the loss (to the progress bar) and the learning rate, as most real ones do. ``callbacks``:
+    more Lightning callbacks (another benchmark's probes)."""
     import logging
 
     import lightning.pytorch as pl
@@ -237,7 +238,8 @@ def lightning_fit(log=False):
     def fit(steps):
         clock = Clock()
         trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[clock, *callbacks])
         trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
         return statistics.median(clock.times[5:])
 

@@ -90,3 +90,21 @@ def test_the_time_attribution_benchmark_runs_its_steps_and_attributes_each_stack
     total, ours, others = w.attribute({";".join(stack(tape.format(1))): 3, "elsewhere (x.py:1)": 5,
                                        ";".join(stack("backward (torch/autograd/__init__.py:9)")): 2}, "step (")
     assert total == 5 and ours == {w.LOSS_RECORD: 3} and others == {("backward", "torch/autograd/__init__.py"): 2}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="sys.monitoring counts bytecodes from Python 3.12")
+@pytest.mark.parametrize("workload", ["tiny", "lightning"])
+def test_the_bytecode_count_benchmark_attributes_the_steps_bytecodes_to_ampguards_functions(python, workload):
+    proc = python(None, str(BENCHMARKS / "bytecodes.py"), "--workload", workload, "--steps", "3", "--top", "3",
+                  timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    totals = [line for line in proc.stdout.splitlines() if " bytecodes a step " in line]
+    assert len(totals) == 3 and totals[0].endswith("ampguard's own: 0"), proc.stdout
+    own = int(totals[2].rpartition(": ")[2].replace(",", ""))
+    assert own > 100 and "ampguard/nonfinite/sinks.py" in proc.stdout
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the refusal is for Pythons without sys.monitoring")
+def test_the_bytecode_count_benchmark_says_which_python_it_needs(python):
+    proc = python(None, str(BENCHMARKS / "bytecodes.py"), "--steps", "1", timeout=60)
+    assert proc.returncode == 1 and "needs Python 3.12 or later" in proc.stderr and proc.stdout == ""
