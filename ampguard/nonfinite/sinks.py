@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _guard, _sync, schedulers
+from .. import _frames, _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
 from .._frames import first_user
@@ -493,30 +493,34 @@ def redirected(module: Any) -> str | None:
 _FUNCTIONAL_CALL: list = []  # the code object of torch's stateless._functional_call, once looked up
 
 
-def swapped(module: Any, frame: Any, site: tuple | None) -> dict | None:
-    """The parameters and buffers a ``torch.func.functional_call`` put in the module for this call (MAML's
-    fast weights, an ensemble member's state), held as a call's inputs are; None for any other call.
+def call_site(module: Any, frame: Any) -> tuple[tuple | None, dict | None]:
+    """Where the user called ``module`` (the innermost user frame as (code, instruction offset), looking 8 frames
+    up from torch's call; None if none is), and the parameters and buffers a ``torch.func.functional_call`` put in
+    the module for this call (MAML's fast weights, an ensemble member's state), held as a call's inputs are (None
+    for any other call).
 
-    The replay puts them back in for the call: the module's own parameters would give another value. Found
-    on the frames between torch's call and the user's (three, usually): no cost beyond that walk."""
+    The replay puts those back in for the call: the module's own parameters would give another value. The
+    functional call is found on the frames between torch's call and the user's (three, usually), in the same walk
+    (:func:`ampguard._frames.first_user`'s): no cost beyond it."""
     if not _FUNCTIONAL_CALL:
         from torch.nn.utils import stateless
 
         _FUNCTIONAL_CALL.append(getattr(getattr(stateless, "_functional_call", None), "__code__", None))
-    code = _FUNCTIONAL_CALL[0]
-    stop = site[0] if site is not None else None
+    functional = _FUNCTIONAL_CALL[0]
+    known = _frames._internal_code
     budget = 8
     while frame is not None and budget:
-        here = frame.f_code
-        if here is code:
+        code = frame.f_code
+        if code is functional:
             state = dict(module.named_parameters(remove_duplicate=False))
             state.update(module.named_buffers(remove_duplicate=False))
-            return weak(state, False)
-        if here is stop:
-            return None
+            return first_user(frame.f_back, budget - 1), weak(state, False)
+        entry = known.get(id(code))
+        if not (entry[0] if entry is not None else _frames.is_internal(code)):
+            return (code, frame.f_lasti), None
         frame = frame.f_back
         budget -= 1
-    return None
+    return None, None
 
 
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
@@ -559,9 +563,9 @@ def enter(module: Any, frame: Any) -> int:
             finally:
                 t.late = False
     t.resume_tape = resume
-    site = first_user(frame, 8)
+    site, swapped = call_site(module, frame)
     t.entry = (_rng_state(), _autocast_state(), grad,
-               torch.is_inference_mode_enabled(), site, t.steps, redirected(module), swapped(module, frame, site))
+               torch.is_inference_mode_enabled(), site, t.steps, redirected(module), swapped)
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
