@@ -914,3 +914,65 @@ def test_torch_autograd_grad_on_fake_tensors_is_left_alone():
         (grad,) = torch.autograd.grad((w * 2).sum(), [w])
     assert grad.shape == (3,)
     assert "nonfinite" in g._on
+
+
+# the loss code's tensor properties and copies ----------------------------------------------------------
+class Clip(torch.nn.Module):
+    """CLIP's two encoders and learnable temperature; the loss is the symmetric cross-entropy of its pseudo-code."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(8, 4)
+        self.text = torch.nn.Linear(8, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.6592))  # log(1 / 0.07)
+
+
+def clip_step(model, opt, images, texts, hotter=1.0):
+    a = torch.nn.functional.normalize(model.image(images), dim=-1)
+    b = torch.nn.functional.normalize(model.text(texts), dim=-1)
+    logits = (model.logit_scale * hotter).exp() * a @ b.T  # EXP LINE
+    target = torch.arange(len(images))
+    loss = (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_a_contrastive_loss_on_logits_T_trains_as_without_ampguard_and_its_nan_is_replayed():
+    """``logits.T`` is read through a property, which the loss code's record skipped: the transposed logits, which
+    the user never holds, were freed before the check, and the NaN could not be replayed ("an input of the loss
+    code was freed")."""
+    images, texts = torch.randn(6, 8), torch.randn(6, 8)
+    plain = Clip()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    reference = [clip_step(plain, opt, images, texts) for _ in range(3)]
+    guarded = Clip()
+    opt = torch.optim.SGD(guarded.parameters(), lr=0.1)
+    with ampguard.guard():
+        assert [clip_step(guarded, opt, images, texts) for _ in range(3)] == reference
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            clip_step(guarded, opt, images, texts, hotter=100.0)  # exp(266) overflows float32
+    message = str(info.value)
+    assert "It was created by Tensor.exp (inputs finite, output +Inf) at\n" \
+        f"    {__file__}:{line_of(clip_step, 'EXP LINE')} in clip_step" in message, message
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters(), strict=True))
+
+
+def test_a_loss_on_a_clone_of_the_output_is_replayed():
+    """``clone`` was skipped by the loss code's record as a copy: an op on the clone had an input the record did not
+    know, freed before the check."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_code(out, y):
+        return torch.nn.functional.mse_loss(out.clone().log(), y)  # LOG LINE
+
+    torch.manual_seed(0)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        loss_code(model(torch.randn(16, 4)), torch.randn(16, 1)).backward()  # negative outputs: log makes NaN
+        opt.step()
+    message = str(info.value)
+    assert f"It was created by Tensor.log (inputs finite, output NaN) at\n    {__file__}:" \
+        f"{line_of(loss_code, 'LOG LINE')} in loss_code" in message, message

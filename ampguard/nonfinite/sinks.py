@@ -67,8 +67,13 @@ _any_autocast: Any = None
 _SKIP_NAMES = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "item", "tolist", "__repr__", "__format__", "__bool__",
     "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride", "is_floating_point",
-    "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "clone", "cpu", "numpy",
+    "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "numpy",
 })
+# The tensor properties (read through "__get__", as .shape and .grad are) that compute a tensor from the one they are
+# read on, as an op does: CLIP's loss is cross_entropy(logits.T, target). The loss code's record keeps them, so that
+# the replay re-creates what they return (the user keeps no reference to a `logits.T`: unrecorded, it is freed
+# before the check and the loss cannot be replayed).
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 # Ops that hand out memory without writing it (FSDP's all-gather buffers, a preallocated output): whatever bits it
 # held, NaN among them, were made by no op. Neither trace='eager' nor a replay judges what they return.
 UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted",
@@ -759,7 +764,8 @@ def _make_tape() -> Any:
                 return out
             # (no cache of this answer: dynamo in torch 2.6 guards on a dict the mode's closure holds, and the dict's
             # growth then failed the guard on the frame that made it, a crash of a compiled call in the loss code)
-            if getattr(func, "__name__", "") in _SKIP_NAMES:
+            name = getattr(func, "__name__", "")
+            if name in _SKIP_NAMES and (name != "__get__" or _property(func) not in _VIEW_PROPERTIES):
                 return out
             try:
                 if isinstance(out, tensor):
@@ -776,6 +782,11 @@ def _make_tape() -> Any:
             return out
 
     return Tape
+
+
+def _property(getter: Any) -> str:
+    """The name of the tensor property whose ``__get__`` this is (``Tensor.T.__get__``: 'T')."""
+    return getattr(getattr(getter, "__self__", None), "__name__", "")
 
 
 def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: Any) -> None:
