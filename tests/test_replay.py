@@ -976,3 +976,59 @@ def test_a_loss_on_a_clone_of_the_output_is_replayed():
     message = str(info.value)
     assert f"It was created by Tensor.log (inputs finite, output NaN) at\n    {__file__}:" \
         f"{line_of(loss_code, 'LOG LINE')} in loss_code" in message, message
+
+
+def masked_step(model, opt, x, y, mask):
+    scores = model(x)
+    scores[mask] = float("-inf")  # MASK LINE
+    loss = torch.nn.functional.cross_entropy(scores, y)  # LOSS LINE
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_a_masked_assignment_in_the_loss_code_is_replayed_and_a_fully_masked_row_is_named():
+    """``scores[mask] = -inf`` returns nothing, and the loss code's record kept only calls that return a tensor: the
+    replay ran the loss without the write and reported that the NaN "did not reproduce" (a nondeterministic kernel,
+    a hardware fault), which was false."""
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 4, 0, 1])
+    mask = torch.zeros(6, 5, dtype=torch.bool)
+    mask[:, 3] = True  # class 3 is never allowed
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 5)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    reference = [masked_step(plain, opt, x, y, mask) for _ in range(3)]
+    torch.manual_seed(0)
+    guarded = torch.nn.Linear(8, 5)
+    opt = torch.optim.SGD(guarded.parameters(), lr=0.1)
+    with ampguard.guard():
+        assert [masked_step(guarded, opt, x, y, mask) for _ in range(3)] == reference
+        mask[0] = True  # a row with every class masked: log_softmax of -inf everywhere is NaN
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            masked_step(guarded, opt, x, y, mask)
+    message = str(info.value)
+    assert "did not reproduce" not in message, message
+    assert "It entered already non-finite (-Inf): a constant in your code (a Python number or a tensor literal), " \
+        f"given to Tensor.__setitem__ at\n    {__file__}:{line_of(masked_step, 'MASK LINE')} in masked_step" \
+        in message, message
+    assert "It became NaN, -Inf in aten._log_softmax inside torch.nn.functional.cross_entropy at\n" \
+        f"    {__file__}:{line_of(masked_step, 'LOSS LINE')} in masked_step" in message, message
+    assert torch.equal(plain.weight, guarded.weight)  # the failed step applied nothing
+
+
+def test_a_nan_constant_in_the_loss_code_is_called_a_constant():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_code(out):
+        return out.pow(2).mean() + torch.tensor(float("nan"))  # CONSTANT LINE
+
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        loss_code(model(torch.randn(8, 4))).backward()
+        opt.step()
+    message = str(info.value)
+    assert "It entered already non-finite (NaN): a constant in your code (a Python number or a tensor literal), " \
+        f"given to torch.tensor at\n    {__file__}:{line_of(loss_code, 'CONSTANT LINE')} in loss_code" in message, \
+        message
+    assert "No replayed op produced that input" not in message

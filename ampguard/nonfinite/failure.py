@@ -295,12 +295,18 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     entered = result["entered"]
     if entered is not None:
         tensor, entered_kinds = entered[0](), entered[1]
-        what = _leaf_name(session, names, tensor)
-        lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): {what}, an input of "
-                     f"{label}{in_module} at\n    {report.where(own)}")
-        made = _made_by_a_step(g, tensor)
-        lines.extend(made or ["  No replayed op produced that input: it is the data, a parameter or buffer, or "
-                              "the output of code ampguard did not replay."])
+        if rec.name.startswith("aten.lift_fresh"):  # a Python number or a literal, made a tensor where the code ran
+            by = report.op_name(rec.fn) if rec.fn is not None else label
+            lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): a constant in your "
+                         f"code (a Python number or a tensor literal), given to {by}{in_module} at\n"
+                         f"    {report.where(own)}")
+        else:
+            what = _leaf_name(session, names, tensor)
+            lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): {what}, an input "
+                         f"of {label}{in_module} at\n    {report.where(own)}")
+            made = _made_by_a_step(g, tensor)
+            lines.extend(made or ["  No replayed op produced that input: it is the data, a parameter or buffer, or "
+                                  "the output of code ampguard did not replay."])
         if tensor is not None:
             lines.append(f"  input: {report.describe_tensor(tensor)}")
         op = module = None

@@ -771,6 +771,10 @@ def _make_tape() -> Any:
                 if isinstance(out, tensor):
                     if out.is_floating_point() or out.is_complex():
                         _record(t, func, args, kwargs, ((out, 0),), sys._getframe(1))
+                elif out is None and name == "__setitem__":  # scores[mask] = -inf: a write into its first argument
+                    target = args[0] if args else None
+                    if isinstance(target, tensor) and (target.is_floating_point() or target.is_complex()):
+                        _record(t, func, args, kwargs, ((target, 0),), sys._getframe(1))
                 else:
                     outs = made_within(out)
                     if outs:
