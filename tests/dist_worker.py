@@ -211,7 +211,102 @@ def skip_together(rank, ddp):
             "warnings": [str(w.message) for w in caught if "nonfinite='skip'" in str(w.message)]}
 
 
-SCENARIOS = {"ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
+class GlobalTokenMean(torch.nn.Module):
+    """A layer that all-reduces in its forward: it averages over every rank's tokens, as a loss normalised by the
+    global token count does (an MoE's dispatch or a custom synchronised normalisation all-reduce there too)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        tokens = torch.tensor([float(x.shape[0])])
+        dist.all_reduce(tokens)
+        return torch.sqrt(self.fc(x) + 10.0).sum() / tokens  # SQRT: NaN where an output is below -10
+
+
+def collective_in_forward(rank):
+    """Only rank 0's batch makes a NaN, and rank 0 alone replays. The replay re-ran the forward's all_reduce, which
+    paired with rank 1's next collective (the check below): rank 1 got rank 0's token count, and rank 0's own check
+    then waited forever for a partner. No DDP: rank 1's gradients stay finite, so rank 1 does not replay."""
+    import ampguard
+
+    ampguard.install()
+    model = GlobalTokenMean()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    out = {"error": None}
+    for i in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        if rank == 0 and i == 2:
+            x = x * 1000.0
+        try:
+            model(x).backward()
+            opt.step()
+        except ampguard.NonFiniteError as err:
+            out["error"] = str(err)
+            break
+        opt.zero_grad()
+    check = torch.tensor([rank + 1.0])
+    dist.all_reduce(check)  # the next collective on both ranks: 1 + 2
+    out["check"] = check.item()
+    return out
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """Tensor parallelism's entry (Megatron's): the identity forward, an all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ParallelBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.gain = torch.nn.Parameter(torch.ones(1))
+        self.zero = False
+
+    def forward(self, x):
+        h = CopyToParallelRegion.apply(self.fc1(x))
+        return self.fc2(h).sum() + torch.sqrt(self.gain * (0.0 if self.zero else 1.0)).sum()  # GAIN: sqrt at 0
+
+
+def collective_in_backward(rank):
+    """Only rank 0's step makes a NaN gradient (sqrt at 0 reaches the gain alone), and rank 0 alone replays the
+    backward. Past the origin, that replay reached the backward's all_reduce, which must not run: rank 1 is not
+    replaying, and its next collective is the check below."""
+    import ampguard
+
+    ampguard.install()
+    model = ParallelBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    out = {"error": None}
+    for i in range(3):
+        model.zero = rank == 0 and i == 2
+        try:
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))).backward()
+            opt.step()
+        except ampguard.NonFiniteError as err:
+            out["error"] = str(err)
+            break
+        opt.zero_grad()
+    check = torch.tensor([rank + 1.0])
+    dist.all_reduce(check)  # the next collective on both ranks: 1 + 2
+    out["check"] = check.item()
+    return out
+
+
+SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_backward": collective_in_backward,
+             "ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
              "ddp_unused_nan_origin": ddp_unused_nan_origin,
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),

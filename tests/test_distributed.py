@@ -215,3 +215,22 @@ def test_fsdp_trains_unchanged_and_a_nan_is_reported_truthfully_on_every_rank(py
         assert "in this rank's shard" in other["message"]
     for r in (r0, r1):
         assert r["eager"]["op"] == "torch.log" and r["eager"]["line"].endswith("# FSDP POISON"), r["eager"]
+
+
+def test_a_replay_on_one_rank_runs_none_of_the_forwards_collectives(python):
+    """A NaN on one rank is replayed there alone. The forward it re-ran all-reduced, and that all_reduce paired with
+    the other rank's next collective: that rank got the replay's data, and the replaying rank's own next collective
+    then waited forever for a partner (run_ranks times out)."""
+    r0, r1 = run_ranks(python, "collective_in_forward")
+    assert r1["error"] is None and r1["check"] == 3.0 and r0["check"] == 3.0, (r0, r1)
+    assert "NaN reached the loss" in r0["error"], r0["error"]
+    assert "it runs a collective (c10d.allreduce_), which one rank cannot re-run alone" in r0["error"], r0["error"]
+
+
+def test_a_backward_replay_on_one_rank_stops_before_the_backwards_collective(python):
+    """Tensor parallelism all-reduces gradients inside backward (an autograd Function, as Megatron's is). The
+    backward replay that names a NaN gradient ran that all_reduce on the one rank replaying: the other rank's next
+    collective received it, and gloo aborted that rank ("collective mismatch")."""
+    r0, r1 = run_ranks(python, "collective_in_backward")
+    assert r1["error"] is None and r1["check"] == 3.0 and r0["check"] == 3.0, (r0, r1)
+    assert "The backward of torch.sqrt (SqrtBackward0) turned finite gradients into +Inf" in r0["error"], r0["error"]

@@ -424,6 +424,8 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
                    "with a gradient of ones, not the original one.)"]
         params = [q for c in window if type(c) is Call for q in c.module.parameters()]
         found = replay.backward_origin(session, loss, params)
+    if not found and session.collective is not None:
+        return None, None, None, [*how, f"  No origin is known: the backward was not replayed: {session.collective}."]
     if not found or ("hook" in found and found_kinds is not None):
         # (a hook at scale 1, in GradScaler's check, is judged as the overflow it usually stands in for)
         return None, None, None, [*how, _BACKWARD_NOT_REPRODUCED, *_written_inputs(session, False)]

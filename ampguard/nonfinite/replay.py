@@ -73,6 +73,8 @@ class Session:
         self.nodes: list = []  # those nodes, alive while the ids are used
         self.node_module: dict[int, tuple[Any, Any]] = {}  # id(output node of a module's torch call) -> (module, root)
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
+        self.distributed = _distributed()  # the other ranks are not replaying: no collective may run (Collective)
+        self.collective: str | None = None  # why the backward replay stopped, if a collective stopped it
         # id(copy of an input) -> (which input, aten op, torch function, frames) of the first replayed op that wrote
         # into it in place: the original call wrote into the input itself, so the replay started from the written value
         self.written: dict[int, tuple] = {}
@@ -225,6 +227,8 @@ def _modes(session: Session) -> Any:
 
     class Checker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if session.distributed and getattr(func, "namespace", None) in COLLECTIVES:
+                raise Collective(_aten_name(func))
             out = func(*args, **(kwargs or {}))
             session.note(func, args, kwargs or {}, out)
             return out
@@ -337,6 +341,34 @@ class Reached(Exception):
     """A capture replay made the record it was looking for (see Session.stop_after)."""
 
 
+COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})  # torch.distributed's ops' namespaces
+
+
+class Collective(Exception):
+    """A collective met by a replay in a distributed run (an all-reduce in a model's forward, a differentiable
+    all_gather in a contrastive loss or its backward). Only this rank replays: run here, the collective would pair with
+    another rank's unrelated one, mixing their data, or wait for one forever. Raised before it runs."""
+
+    @property
+    def reason(self) -> str:
+        return (f"it runs a collective ({self}), which one rank cannot re-run alone: the other ranks are not "
+                "replaying, so it would pair with one of their own collectives or wait for one forever. "
+                "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay")
+
+
+def _no_collectives() -> Any:
+    """A dispatch mode for the backward replay that stops at the first collective (see :class:`Collective`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoCollectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) in COLLECTIVES:
+                raise Collective(_aten_name(func))
+            return func(*args, **(kwargs or {}))
+
+    return NoCollectives()
+
+
 class Freed(Exception):
     """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
 
@@ -427,6 +459,8 @@ def run_window(session: Session, window: list, names: bool = True) -> None:
             _run_event(session, event, index, checker, named)
         except Freed as freed:
             session.unreplayed[index] = f"{freed}: {freed.advice}"
+        except Collective as collective:
+            session.unreplayed[index] = collective.reason
 
 
 def _run_event(session: Session, event: Any, index: int, checker: Any, names: Any) -> None:
@@ -660,12 +694,15 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
     grads: tuple = ()
     try:
         if inputs:  # (the graph retained: a hook reads the node's saved forward values after it ran)
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=True)
+            with _no_collectives() if session.distributed else contextlib.nullcontext():
+                grads = torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=True)
+    except Collective as collective:
+        session.collective = collective.reason
     finally:
         for h in handles:
             h.remove()
-    if found:
-        return found
+    if found or session.collective is not None:
+        return found or None
     for param, grad in zip(inputs, grads, strict=True):  # every op's backward stayed finite: a hook on the tensor?
         bad = kinds(grad) if grad is not None else frozenset()
         hooks = getattr(param, "_backward_hooks", None)
