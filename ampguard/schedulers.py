@@ -29,7 +29,7 @@ from collections import deque
 from typing import Any
 
 from . import _guard, _sync
-from ._errors import AmpGuardError, LossScaleCollapseError
+from ._errors import AmpGuardError, LossScaleCollapseError, NonFiniteError
 from ._fallback import fail_safe, internal_failure
 from ._frames import warn_at_user
 from ._guard import DEPTH, Guard
@@ -162,9 +162,14 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     counts = DEPTH.counts
     if g is None or counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
-    record = None
+    record = found = None
     try:
         record = _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
+    except NonFiniteError as intended:
+        # A sink read on this update's read failed. Raised once update() has run, so that the scaler ends its
+        # iteration as it does without ampguard (found_inf backs the scale off; the next step() is allowed): a
+        # loop that catches the error and rolls back can go on with the same scaler.
+        found = intended
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
@@ -174,6 +179,8 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         result = wrapped(*args, **kwargs)
     finally:
         counts["scaler.update"] = 0
+    if found is not None:
+        raise found.with_traceback(None) from None
     try:
         scale, tracker = instance._scale, instance._growth_tracker
         if record is not None and record.next is not None and scale is not None and tracker is not None:

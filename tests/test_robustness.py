@@ -1,5 +1,7 @@
 """Faults, threads, long runs, checkpoints and bad input: ampguard never harms the user's run."""
 
+import contextlib
+import copy
 import gc
 import io
 import logging
@@ -417,3 +419,46 @@ def test_every_ampguard_variable_with_garbage_prints_one_line_and_runs(python, v
         break
     else:
         pytest.fail(f"no garbage value was refused for {variable}")
+
+
+def rollback_loop(guarded: bool) -> tuple:
+    """A GradScaler loop that rolls back to its last snapshot when a batch is non-finite: by hand without ampguard
+    (before backward), by catching NonFiniteError with it (raised at the step's read, in update())."""
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = S.LambdaLR(opt, lambda s: 1 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu")
+    parts = (m, opt, sched, scaler)
+    block = ampguard.guard() if guarded else contextlib.nullcontext()
+    rolled = 0
+    with block:
+        for i in range(8):
+            if i % 3 == 0:
+                snapshot = [copy.deepcopy(part.state_dict()) for part in parts]
+            x, y = data(i)
+            if i == 4:
+                x[0, 0] = float("nan")  # a corrupt batch
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            try:
+                if not guarded and not torch.isfinite(loss):
+                    raise FloatingPointError
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+            except FloatingPointError:  # (NonFiniteError is one)
+                rolled += 1
+                for part, state in zip(parts, snapshot, strict=True):
+                    part.load_state_dict(state)
+            opt.zero_grad()
+    return [p.detach().clone() for p in m.parameters()], sched.last_epoch, scaler.get_scale(), rolled
+
+
+def test_a_loop_that_catches_the_error_under_a_grad_scaler_rolls_back_and_goes_on():
+    """NonFiniteError under a GradScaler is raised in update(), where the read is. It was raised before the
+    scaler's own update() ran, which left the scaler mid-iteration: the loop's next step() raised "step() has
+    already been called since the last update()", and no load_state_dict() resets that."""
+    plain, guarded = rollback_loop(False), rollback_loop(True)
+    assert guarded[1:] == plain[1:] and guarded[3] == 1
+    assert all(torch.equal(p, q) for p, q in zip(plain[0], guarded[0], strict=True))
