@@ -288,3 +288,31 @@ def test_under_ampguard_1_the_exit_report_says_where_bundles_went(python, code):
     assert f"reproducers: 1 written to {code / 'bundles'}; replay one with: python -m ampguard repro {bundle}" \
         in proc.stderr
     assert "3 skipped by nonfinite='skip'" in proc.stderr
+
+
+@pytest.mark.parametrize("write", ["masked assignment", "in-place op", "constant"])
+def test_a_loss_code_op_that_writes_in_place_or_holds_a_constant_is_replayed_from_its_bundle(python, tmp_path, write):
+    """An in-place op's bundle crashed the repro command ("a leaf Variable that requires grad is being used in an
+    in-place operation": the bundled tensor is such a leaf), and a constant's +Inf, an output whose status was
+    taken when it was made, was dismissed as a sum of squares that overflowed: "did not reproduce"."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    target = torch.tensor([0, 1, 2, 0])
+    with ampguard.guard(repro_dir=str(tmp_path)), pytest.raises(ampguard.NonFiniteError) as info:
+        scores = model(torch.randn(4, 4))
+        if write == "masked assignment":
+            mask = torch.zeros(4, 3, dtype=torch.bool)
+            mask[0] = True  # a fully masked row
+            scores[mask] = float("-inf")
+        elif write == "in-place op":
+            scores = scores.clone().mul_(0.0).log_()  # log of 0, in place
+        else:
+            scores = scores + torch.tensor(float("inf"))
+        torch.nn.functional.cross_entropy(scores, target).backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    out = repro(python, info.value.repro, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the loss-code op, outside any module" in out.stdout and "ampguard repro: reproduced." in out.stdout
+    given = {"masked assignment": "given to Tensor.__setitem__", "in-place op": "created by Tensor.log_",
+             "constant": "given to torch.tensor"}[write]
+    assert given in out.stdout, out.stdout

@@ -251,12 +251,21 @@ class BadBundle(Exception):
 
 
 def _op_module(func: Any, kwargs: dict) -> Any:
-    """A loss-code op as a module call, so the guard records it and its replay names the op."""
+    """A loss-code op as a module call, so the guard records it and its replay names the op. An op that writes into
+    its first argument (``scores[mask] = -inf``, ``x.mul_(s)``) writes into a copy of it: the bundle's tensor is a
+    leaf that requires grad, which takes no in-place write. Its output is the tensor written into."""
     import torch
+
+    name = getattr(func, "__name__", "")
+    in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) or \
+        (name.startswith("__i") and name.endswith("__"))
 
     class OpCall(torch.nn.Module):
         def forward(self, *args: Any) -> Any:
-            return func(*args, **kwargs)
+            if in_place and args and isinstance(args[0], torch.Tensor):
+                args = (args[0].clone(), *args[1:])
+            out = func(*args, **kwargs)
+            return args[0] if out is None and in_place else out
 
     return OpCall()
 

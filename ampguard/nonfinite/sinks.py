@@ -1384,10 +1384,14 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
 
 
 def _finite_after_all(p: Pending) -> bool:
-    """An Inf status may be a sum of squares that overflowed: check exactly (failure path only)."""
+    """An Inf status may be a sum of squares that overflowed: check exactly (failure path only). A status taken
+    when its output was made holds no part: the output itself is checked, if it is still alive."""
     if p.params is not None:
         return all(finite(q.grad) for q in p.params if q.grad is not None)
-    return all(t is not None and finite(t) for t in p.alive())
+    tensors = p.alive()
+    if not tensors and p.status is not None:
+        tensors = [p.tensor if isinstance(p.tensor, _Tensor) or p.tensor is None else p.tensor()]
+    return all(t is not None and finite(t) for t in tensors)
 
 
 def _clear_window() -> None:
