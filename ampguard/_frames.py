@@ -74,6 +74,23 @@ def first_user(frame: Any, budget: int) -> tuple | None:
     return None
 
 
+def first_user_past(frame: Any, budget: int, code: Any) -> tuple[tuple | None, bool]:
+    """:func:`first_user`, and whether a frame of ``code`` was passed on the way up to it (torch's
+    ``functional_call`` between a module call and the user's): one walk for both."""
+    known = _internal_code
+    passed = False
+    while frame is not None and budget:
+        here = frame.f_code
+        if here is code:
+            passed = True
+        entry = known.get(id(here))
+        if not (entry[0] if entry is not None else is_internal(here)):
+            return (here, frame.f_lasti), passed
+        frame = frame.f_back
+        budget -= 1
+    return None, passed
+
+
 def line_at(code: Any, lasti: int) -> int:
     """The line number ``frame.f_lineno`` gives for a frame of ``code`` stopped at ``frame.f_lasti``.
 

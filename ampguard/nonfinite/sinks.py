@@ -43,10 +43,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _frames, _guard, _sync, schedulers
+from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
-from .._frames import first_user
+from .._frames import first_user, first_user_past
 from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
 from . import outermost
@@ -506,26 +506,17 @@ def call_site(module: Any, frame: Any) -> tuple[tuple | None, dict | None]:
 
     The replay puts those back in for the call: the module's own parameters would give another value. The
     functional call is found on the frames between torch's call and the user's (three, usually), in the same walk
-    (:func:`ampguard._frames.first_user`'s): no cost beyond it."""
+    (:func:`ampguard._frames.first_user_past`): no cost beyond it."""
     if not _FUNCTIONAL_CALL:
         from torch.nn.utils import stateless
 
         _FUNCTIONAL_CALL.append(getattr(getattr(stateless, "_functional_call", None), "__code__", None))
-    functional = _FUNCTIONAL_CALL[0]
-    known = _frames._internal_code
-    budget = 8
-    while frame is not None and budget:
-        code = frame.f_code
-        if code is functional:
-            state = dict(module.named_parameters(remove_duplicate=False))
-            state.update(module.named_buffers(remove_duplicate=False))
-            return first_user(frame.f_back, budget - 1), weak(state, False)
-        entry = known.get(id(code))
-        if not (entry[0] if entry is not None else _frames.is_internal(code)):
-            return (code, frame.f_lasti), None
-        frame = frame.f_back
-        budget -= 1
-    return None, None
+    site, functional = first_user_past(frame, 8, _FUNCTIONAL_CALL[0])
+    if not functional:
+        return site, None
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return site, weak(state, False)
 
 
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
