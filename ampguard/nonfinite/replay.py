@@ -345,8 +345,8 @@ COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})  # torc
 
 
 class Collective(Exception):
-    """A collective met by a replay in a distributed run (an all-reduce in a model's forward, a differentiable
-    all_gather in a contrastive loss or its backward). Only this rank replays: run here, the collective would pair with
+    """A collective met by a replay in a distributed run (an all-reduce in a model's forward, or in a backward, as
+    tensor parallelism's gradient all-reduce is). Only this rank replays: run here, the collective would pair with
     another rank's unrelated one, mixing their data, or wait for one forever. Raised before it runs."""
 
     @property
