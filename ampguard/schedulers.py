@@ -95,18 +95,13 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
     ran = _RAN
     ran.optimizer = None
-    counts["scaler.step"] = 1  # (DEPTH.outermost written out, as in the other hooks of every step)
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.step"] = 0
+    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
         _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
@@ -159,8 +154,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scaler.update") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
     record = found = None
     try:
@@ -174,11 +168,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    counts["scaler.update"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.update"] = 0
+    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     if found is not None:
         raise found.with_traceback(None) from None
     try:
@@ -492,8 +482,7 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scheduler.step"):
+    if g is None or DEPTH.counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
@@ -511,11 +500,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    counts["scheduler.step"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scheduler.step"] = 0
+    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
     if opt_record is not None:
         try:
             if snapshot is None:
