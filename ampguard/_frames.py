@@ -63,15 +63,7 @@ def user_frames(frame: Any, limit: int = 4, budget: int = 24) -> tuple:
 def first_user(frame: Any, budget: int) -> tuple | None:
     """The innermost user frame as (code, instruction offset), looking ``budget`` frames up: the
     per-call path's user_frames(limit=1), one cached dict lookup a frame. See :func:`line_at`."""
-    known = _internal_code
-    while frame is not None and budget:
-        code = frame.f_code
-        entry = known.get(id(code))
-        if not (entry[0] if entry is not None else is_internal(code)):
-            return code, frame.f_lasti
-        frame = frame.f_back
-        budget -= 1
-    return None
+    return first_user_past(frame, budget, None)[0]
 
 
 def first_user_past(frame: Any, budget: int, code: Any) -> tuple[tuple | None, bool]:
