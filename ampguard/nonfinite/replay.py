@@ -503,9 +503,7 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         session.frames = op.frames
         try:
             with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
-                out = op.func(*args, **kwargs)
-            if out is None and op.func is torch.Tensor.__setitem__:
-                out = args[0]  # (the record's output: the tensor written into)
+                out = sinks.written_output(op.func, args, op.func(*args, **kwargs))
         finally:
             session.frames = None
         _map_outputs(session, index, out)

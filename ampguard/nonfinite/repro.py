@@ -253,7 +253,7 @@ class BadBundle(Exception):
 def _op_module(func: Any, kwargs: dict) -> Any:
     """A loss-code op as a module call, so the guard records it and its replay names the op. An op that writes into
     its first argument (``scores[mask] = -inf``, ``x.mul_(s)``) writes into a copy of it: the bundle's tensor is a
-    leaf that requires grad, which takes no in-place write. Its output is the tensor written into."""
+    leaf that requires grad, which takes no in-place write."""
     import torch
 
     name = getattr(func, "__name__", "")
@@ -264,8 +264,7 @@ def _op_module(func: Any, kwargs: dict) -> Any:
         def forward(self, *args: Any) -> Any:
             if in_place and args and isinstance(args[0], torch.Tensor):
                 args = (args[0].clone(), *args[1:])
-            out = func(*args, **kwargs)
-            return args[0] if out is None and in_place else out
+            return sinks.written_output(func, args, func(*args, **kwargs))
 
     return OpCall()
 

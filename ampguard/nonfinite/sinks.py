@@ -759,15 +759,12 @@ def _make_tape() -> Any:
             if name in _SKIP_NAMES and (name != "__get__" or _property(func) not in _VIEW_PROPERTIES):
                 return out
             try:
-                if isinstance(out, tensor):
-                    if out.is_floating_point() or out.is_complex():
-                        _record(t, func, args, kwargs, ((out, 0),), sys._getframe(1))
-                elif out is None and name == "__setitem__":  # scores[mask] = -inf: a write into its first argument
-                    target = args[0] if args else None
-                    if isinstance(target, tensor) and (target.is_floating_point() or target.is_complex()):
-                        _record(t, func, args, kwargs, ((target, 0),), sys._getframe(1))
+                made = out if out is not None else written_output(func, args, out)  # (no call for most ops)
+                if isinstance(made, tensor):
+                    if made.is_floating_point() or made.is_complex():
+                        _record(t, func, args, kwargs, ((made, 0),), sys._getframe(1))
                 else:
-                    outs = made_within(out)
+                    outs = made_within(made)
                     if outs:
                         _record(t, func, args, kwargs, outs, sys._getframe(1))
             except (NonFiniteError, AmpGuardWarning):
@@ -777,6 +774,12 @@ def _make_tape() -> Any:
             return out
 
     return Tape
+
+
+def written_output(func: Any, args: tuple, out: Any) -> Any:
+    """What a torch call made: its output, or for ``Tensor.__setitem__`` (``scores[mask] = -inf``), which returns
+    nothing, the tensor it wrote into. The record, the replay and a reproducer take its output from here."""
+    return args[0] if out is None and args and func is _Tensor.__setitem__ else out
 
 
 def _property(getter: Any) -> str:
