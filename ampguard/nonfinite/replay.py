@@ -227,8 +227,8 @@ def _modes(session: Session) -> Any:
 
     class Checker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if session.distributed and getattr(func, "namespace", None) in COLLECTIVES:
-                raise Collective(_aten_name(func))
+            if session.distributed:
+                refuse_collective(func)
             out = func(*args, **(kwargs or {}))
             session.note(func, args, kwargs or {}, out)
             return out
@@ -356,14 +356,19 @@ class Collective(Exception):
                 "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay")
 
 
+def refuse_collective(func: Any) -> None:
+    """Raise :class:`Collective` if the aten-level op ``func`` is one of torch.distributed's, before it runs."""
+    if getattr(func, "namespace", None) in COLLECTIVES:
+        raise Collective(_aten_name(func))
+
+
 def _no_collectives() -> Any:
     """A dispatch mode for the backward replay that stops at the first collective (see :class:`Collective`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class NoCollectives(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "namespace", None) in COLLECTIVES:
-                raise Collective(_aten_name(func))
+            refuse_collective(func)
             return func(*args, **(kwargs or {}))
 
     return NoCollectives()
