@@ -228,7 +228,7 @@ def _modes(session: Session) -> Any:
     class Checker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if session.distributed:
-                refuse_collective(func)
+                _refuse_collective(func)
             out = func(*args, **(kwargs or {}))
             session.note(func, args, kwargs or {}, out)
             return out
@@ -356,7 +356,7 @@ class Collective(Exception):
                 "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay")
 
 
-def refuse_collective(func: Any) -> None:
+def _refuse_collective(func: Any) -> None:
     """Raise :class:`Collective` if the aten-level op ``func`` is one of torch.distributed's, before it runs."""
     if getattr(func, "namespace", None) in COLLECTIVES:
         raise Collective(_aten_name(func))
@@ -368,7 +368,7 @@ def _no_collectives() -> Any:
 
     class NoCollectives(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            refuse_collective(func)
+            _refuse_collective(func)
             return func(*args, **(kwargs or {}))
 
     return NoCollectives()
