@@ -230,25 +230,31 @@ def collective_in_forward(rank):
     """Only rank 0's batch makes a NaN, and rank 0 alone replays. The replay re-ran the forward's all_reduce, which
     paired with rank 1's next collective (the check below): rank 1 got rank 0's token count, and rank 0's own check
     then waited forever for a partner. No DDP: rank 1's gradients stay finite, so rank 1 does not replay."""
+    def batch(i):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        return x * 1000.0 if rank == 0 and i == 2 else x
+
+    return _steps_then_a_collective(rank, GlobalTokenMean(), batch)
+
+
+def _steps_then_a_collective(rank, model, batch):
+    """Three steps of ``model(batch(i)).backward()`` under ampguard, until a NonFiniteError; then one all_reduce on
+    both ranks, which sums 1 + 2 unless a replay ran a collective of its own that paired with it."""
     import ampguard
 
     ampguard.install()
-    model = GlobalTokenMean()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     out = {"error": None}
     for i in range(3):
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
-        if rank == 0 and i == 2:
-            x = x * 1000.0
         try:
-            model(x).backward()
+            model(batch(i)).backward()
             opt.step()
         except ampguard.NonFiniteError as err:
             out["error"] = str(err)
             break
         opt.zero_grad()
     check = torch.tensor([rank + 1.0])
-    dist.all_reduce(check)  # the next collective on both ranks: 1 + 2
+    dist.all_reduce(check)  # the next collective on both ranks
     out["check"] = check.item()
     return out
 
@@ -284,25 +290,13 @@ def collective_in_backward(rank):
     """Only rank 0's step makes a NaN gradient (sqrt at 0 reaches the gain alone), and rank 0 alone replays the
     backward. Past the origin, that replay reached the backward's all_reduce, which must not run: rank 1 is not
     replaying, and its next collective is the check below."""
-    import ampguard
-
-    ampguard.install()
     model = ParallelBlock()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    out = {"error": None}
-    for i in range(3):
+
+    def batch(i):
         model.zero = rank == 0 and i == 2
-        try:
-            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))).backward()
-            opt.step()
-        except ampguard.NonFiniteError as err:
-            out["error"] = str(err)
-            break
-        opt.zero_grad()
-    check = torch.tensor([rank + 1.0])
-    dist.all_reduce(check)  # the next collective on both ranks: 1 + 2
-    out["check"] = check.item()
-    return out
+        return torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+
+    return _steps_then_a_collective(rank, model, batch)
 
 
 SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_backward": collective_in_backward,
