@@ -60,8 +60,7 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    state = g._state.get(FEATURE)  # (feature_state() written out: two hooks ask at every step)
-    return state if state is not None else g.feature_state(FEATURE, _State)
+    return g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):

@@ -84,8 +84,7 @@ class _Tables:
 
 
 def tables(g: Guard) -> _Tables:
-    t = g._state.get(FEATURE)  # (feature_state() written out: three hooks ask at every step)
-    return t if t is not None else g.feature_state(FEATURE, _Tables)
+    return g.feature_state(FEATURE, _Tables)
 
 
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
