@@ -1,5 +1,6 @@
 """Origins found by replay, on the shapes real training code has (issue 10's ten cases and the replay's rules)."""
 
+import contextlib
 import gc
 import inspect
 import warnings
@@ -1032,3 +1033,72 @@ def test_a_nan_constant_in_the_loss_code_is_called_a_constant():
         f"given to torch.tensor at\n    {__file__}:{line_of(loss_code, 'CONSTANT LINE')} in loss_code" in message, \
         message
     assert "No replayed op produced that input" not in message
+
+
+# a module's own forward pre-hooks: the replay calls the module with its hooks, so it starts from the arguments
+# as the call was made, not from what the hooks returned (they would run twice) ------------------------------
+class Rooted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, shift=None):
+        if shift is not None:
+            x = x + shift
+        return self.lin(x.sqrt())  # ROOTED SQRT
+
+
+def _hooked_run(hook, with_kwargs, steps, guarded):
+    model = Rooted()
+    model.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    batches = [torch.rand(4, 8) + 0.5 for _ in range(steps)]
+    losses = []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for x in batches:
+            loss = model(x, shift=torch.zeros(8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, model
+
+
+def _scaled(module, args):
+    return (args[0] * 0.5,)
+
+
+def _hook_sqrt(module, args):
+    return (args[0] - 1.0).sqrt(),  # HOOK SQRT
+
+
+def _negated(module, args):
+    return (-args[0],)
+
+
+def _negated_shift(module, args, kwargs):
+    return args, {**kwargs, "shift": -2.0 - kwargs["shift"]}  # (twice would give the shift back)
+
+
+def test_a_root_whose_pre_hook_rescales_its_input_trains_bit_identically():
+    plain, plain_model = _hooked_run(_scaled, False, 3, guarded=False)
+    guarded, guarded_model = _hooked_run(_scaled, False, 3, guarded=True)
+    assert guarded == plain
+    assert torch.equal(plain_model.lin.weight, guarded_model.lin.weight)
+
+
+@pytest.mark.parametrize(("hook", "with_kwargs", "func", "marker"), [
+    (_hook_sqrt, False, _hook_sqrt, "HOOK SQRT"),  # the hook itself makes the NaN from a finite input
+    (_negated, False, Rooted.forward, "ROOTED SQRT"),  # the forward makes it from what the hook returned
+    (_negated_shift, True, Rooted.forward, "ROOTED SQRT"),  # ... from a keyword argument the hook changed
+], ids=["nan made in the pre-hook", "pre-hook negates the input", "kwargs pre-hook changes an argument"])
+def test_a_nan_after_a_roots_own_pre_hook_is_named_where_it_was_made(hook, with_kwargs, func, marker):
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _hooked_run(hook, with_kwargs, 1, guarded=True)
+    err, message = info.value, str(info.value)
+    assert err.op == "Tensor.sqrt", message
+    assert "It was created by Tensor.sqrt (inputs finite, output NaN)" in message, message
+    assert err.origin[-1].lineno == line_of(func, marker), message
+    assert "did not reproduce" not in message and "entered already non-finite" not in message, message

@@ -72,6 +72,7 @@ class _Open:
         self.nesting = 0  # calls of that same module inside it
         self.suspended = False  # whether this thread's open call took the global hook off
         self.generation = -1
+        self.entry: tuple | None = None  # (args, kwargs) as the call was made, before the module's own pre-hooks
 
 
 _here = PerThread(_Open)
@@ -123,7 +124,7 @@ def forget() -> None:
     module = local.root
     if module is not None and local.generation == H.generation:
         _detach(module)
-    local.root = local.frame = None
+    local.root = local.frame = local.entry = None
     local.nesting = 0
     if local.suspended:
         local.suspended = False
@@ -191,7 +192,18 @@ def _global_pre(module: Any, args: Any) -> None:
             return
         forget()  # interrupted: this is a new call
     frame = sys._getframe(2)  # torch's inner(): running while this call is
+    hooked = bool(module._forward_pre_hooks)  # (before _open puts ampguard's own there)
     _open(module, frame, H.enter(module, frame))
+    if local.root is module:
+        local.entry = (args, _entry_kwargs(frame) if hooked else None)
+
+
+def _entry_kwargs(frame: Any) -> dict | None:
+    """The call's keyword arguments as it was made, for a module with pre-hooks of its own, which may change them
+    before the forward hooks see them. The global hook runs before the module's own, and a replay calls the module
+    with its hooks: given what they returned, it would apply them twice."""
+    kwargs = frame.f_locals.get("kwargs")  # (inner()'s, as torch's _call_impl was called; a copy: a hook may edit it)
+    return dict(kwargs) if type(kwargs) is dict else None
 
 
 def _open(module: Any, frame: Any, mode: int) -> None:
@@ -244,9 +256,13 @@ def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     if local.nesting:
         local.nesting -= 1
         return
-    generation = local.generation
+    generation, entry = local.generation, local.entry
     forget()
     if generation == H.generation:
+        if entry is not None:  # the arguments as the call was made: the forward hooks get what pre-hooks returned
+            args = entry[0]
+            if entry[1] is not None:
+                kwargs = entry[1]
         H.exit(module, args, kwargs or {}, output)
 
 
