@@ -1,7 +1,10 @@
 """Invisible when nothing is wrong: warnings keep their place, counters say what they mean."""
 
+import contextlib
+import inspect
 import warnings
 
+import pytest
 import torch
 from loops import Overflow, data, model
 
@@ -187,3 +190,98 @@ def test_patched_functions_pickle_and_copy_as_functions_do(python, tmp_path):
         print("loaded")
     """, str(path))
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
+
+
+
+def line_of(func, marker):
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+# -- torch's function-mode stack: the loss-code recorder is one of its modes while it records ---------------------
+def _modes():
+    return [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+
+
+class CountCalls(torch.overrides.TorchFunctionMode):
+    """A user's own mode (a FLOP or call counter): what it sees must not depend on ampguard."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _mode_around_the_forward(make_mode, guarded, nan_at=None):
+    """``with mode: out = model(x)``, then the loss code and the step outside the mode: the user leaves the mode
+    while ampguard records the loss code."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, stacks, modes = [], [], []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for step in range(3):
+            with make_mode() as mode:
+                out = model(torch.randn(4, 8))
+            modes.append(mode)
+            stacks.append(_modes())  # the user's mode is gone
+            log = out.log() if step == nan_at else out  # LOSS CODE LOG
+            loss = log.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            stacks.append(_modes())
+    return losses, stacks, modes, model
+
+
+def test_a_device_context_the_user_leaves_after_the_forward_is_left_as_without_ampguard():
+    """torch.device's exit pops the top mode: with the recorder on top, it popped the recorder instead, and the
+    user's device stayed the default for the rest of the run."""
+    plain = _mode_around_the_forward(lambda: torch.device("cpu"), guarded=False)
+    guarded = _mode_around_the_forward(lambda: torch.device("cpu"), guarded=True)
+    assert guarded[0] == plain[0]
+    assert torch.equal(guarded[3][0].weight, plain[3][0].weight)
+    assert all("DeviceContext" not in stack for stack in guarded[1]), guarded[1]
+    assert _modes() == []
+
+
+def test_a_meta_device_probe_before_the_step_does_not_move_the_run_to_meta():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard():
+        for _ in range(2):
+            with torch.device("meta"):  # a shape probe on the meta device, as tools that plan memory run one
+                probe = torch.nn.Linear(8, 2)(torch.empty(4, 8))
+            assert probe.is_meta
+            x = torch.randn(4, 8)
+            assert x.device.type == "cpu"
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert _modes() == []
+
+
+def test_a_users_own_mode_around_the_forward_sees_the_same_calls_and_leaves_with_its_exit():
+    plain = _mode_around_the_forward(CountCalls, guarded=False)
+    guarded = _mode_around_the_forward(CountCalls, guarded=True)
+    assert guarded[0] == plain[0]
+    for seen, reference in zip((m.calls for m in guarded[2]), (m.calls for m in plain[2]), strict=True):
+        # every call it saw without ampguard, in order (it also sees ampguard's metadata reads of the output at the
+        # end of the call, such as numel(): they run inside the user's mode)
+        rest = iter(seen)
+        assert all(call in rest for call in reference), (seen, reference)
+    assert all("CountCalls" not in stack for stack in guarded[1]), guarded[1]
+
+
+def test_the_loss_code_after_a_mode_the_user_left_is_still_recorded():
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _mode_around_the_forward(lambda: torch.device("cpu"), guarded=True, nan_at=1)
+    err = info.value
+    assert err.op == "Tensor.log", str(err)
+    assert err.origin[-1].lineno == line_of(_mode_around_the_forward, "LOSS CODE LOG"), str(err)
+    assert _modes() == []

@@ -816,25 +816,55 @@ def start_tape(g: _guard.Guard) -> None:
         return
     if _tape is None:
         _tape = _make_tape()()  # one recorder, pushed at every step: it keeps no state of its own
-    _tape.__enter__()
+    _push_under(_tape)
     t.tape = _tape
     t.taping = True
 
 
+def _push_under(mode: Any) -> None:
+    """Put the recorder at the bottom of torch's function-mode stack, under the modes the user entered before it.
+    The user leaves those while it records (``with torch.device(d): out = model(x)``, then the loss code), and a
+    mode's exit pops the top mode: on top, the recorder would be popped in its place, and the user's mode left on
+    for the rest of the run. Only the default device's mode (``torch.set_default_device``) stays under it: torch
+    keeps that one at the bottom, and its exit checks that it is there."""
+    C = _torch._C
+    n = C._len_torch_function_stack()
+    if n:
+        bottom = getattr(getattr(_torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+        above = [C._pop_torch_function_stack() for _ in range(n - (C._get_function_stack_at(0) is bottom))]
+        C._push_on_torch_function_stack(mode)
+        for other in reversed(above):
+            C._push_on_torch_function_stack(other)
+    else:
+        C._push_on_torch_function_stack(mode)
+
+
 def end_tape(t: _Thread | None = None) -> None:
-    """Take the tape off torch's mode stack if it is on top; otherwise stop recording until it can be.
-    ``t``: this thread's state, where the caller holds it already (most hooks, several times a step)."""
+    """Stop recording and take the tape off torch's mode stack (from under the modes the user entered since), unless
+    torch is dispatching a call to it: then at the next hook. ``t``: this thread's state, where the caller holds it
+    already (most hooks, several times a step)."""
     if t is None:
         t = _here.state
     mode = t.tape
     if mode is None:
         return  # (taping is only ever on while a tape is)
     t.taping = False
-    torch = _torch
-    n = torch._C._len_torch_function_stack()
-    if n and torch._C._get_function_stack_at(n - 1) is mode:
-        mode.__exit__(None, None, None)
+    C = _torch._C
+    n = C._len_torch_function_stack()
+    if n and C._get_function_stack_at(n - 1) is mode:
+        C._pop_torch_function_stack()
         t.tape = None
+        return
+    for i in range(n - 2, -1, -1):  # under modes the user entered since: taken out from under them
+        if C._get_function_stack_at(i) is mode:
+            above = [C._pop_torch_function_stack() for _ in range(n - 1 - i)]
+            C._pop_torch_function_stack()
+            for other in reversed(above):
+                C._push_on_torch_function_stack(other)
+            t.tape = None
+            return
+    # Not on the stack: torch is dispatching a call to it (Tensor.backward), and puts it back after; taken off
+    # at the next hook.
 
 
 # -- loss sinks and backward -------------------------------------------------------------------
