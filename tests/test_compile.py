@@ -1,6 +1,8 @@
 """torch.compile under ampguard: no graph breaks of ampguard's making, and every feature keeps working."""
 
+import contextlib
 import inspect
+import re
 import warnings
 
 import pytest
@@ -393,3 +395,30 @@ def test_dynamo_loads_its_trace_rules_with_every_patch_applied(python):
         print("loaded", torch.autograd.grad is not original and inline.__func__ is original)
     """)
     assert proc.returncode == 0 and "loaded True" in proc.stdout, proc.stdout + proc.stderr
+
+
+# -- torch.jit.trace: a model exported as TorchScript at the end of training --------------------------------------
+def _traced_graph(guarded):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        traced = torch.jit.trace(model, x)  # (its own check traces again and compares the two graphs)
+        traced(x).pow(2).mean().backward()  # and the traced model trains on
+        opt.step()
+    # (a class traced again in one process gets a new mangled name: not part of the graph)
+    return re.sub(r"___torch_mangle_\d+\.", "", str(traced.inlined_graph)), traced(x)
+
+
+def test_torch_jit_trace_in_grad_mode_gives_the_graph_it_gives_without_ampguard():
+    """ampguard's end of an outermost call held the output in a local variable, and the tracer names a value after
+    the local variable that holds it: the graph differed from the check's re-trace, and trace() failed."""
+    plain_graph, plain_out = _traced_graph(guarded=False)
+    graph, out = _traced_graph(guarded=True)
+    assert graph == plain_graph
+    assert torch.equal(out, plain_out)

@@ -43,6 +43,7 @@ def _switch_hooks() -> Any:
     sinks._Tensor = torch.Tensor
     sinks._is_compiling = outermost._compiling = torch.compiler.is_compiling
     sinks._transformed = torch._C._are_functorch_transforms_active
+    sinks._tracing = torch._C._get_tracing_state
     sinks._graph_task_id = torch._C._current_graph_task_id
     sinks._any_autocast = torch._C._is_any_autocast_enabled
     sinks._autocast_devices = sinks.known_autocast_devices()

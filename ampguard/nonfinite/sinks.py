@@ -62,6 +62,7 @@ _Tensor: Any = None
 _failure: Any = None  # the failure path (ampguard.nonfinite.failure), bound by the package: no lazy import
 _is_compiling: Any = None
 _transformed: Any = None  # whether a torch.func transform (vmap, grad, jacrev) is running: its tensors are wrapped
+_tracing: Any = None  # torch.jit.trace's state while it traces (None otherwise)
 _graph_task_id: Any = None
 _any_autocast: Any = None
 _SKIP_NAMES = frozenset({
@@ -524,9 +525,10 @@ def enter(module: Any, frame: Any) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    if _is_compiling() or t.replaying or _transformed():
+    if _is_compiling() or t.replaying or _transformed() or _tracing() is not None:
         # inside a compiled graph, a replay, or a torch.func transform (an ensemble under vmap, per-sample
-        # gradients): its tensors are batched or traced, and a status of them cannot be read outside it
+        # gradients): its tensors are batched or traced, and a status of them cannot be read outside it. Under
+        # torch.jit.trace, what ampguard does with the call's tensors would change the graph (its value names)
         return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
     if g is None or _graph_task_id() != -1 or _in_worker():
