@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ampguard {__version__}")
         return 0
     if first == "doctor":
+        if argv[1:] and argv[1] in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        if argv[1:]:
+            print(f"ampguard doctor: takes no arguments (got {' '.join(argv[1:])})\n{USAGE}", file=sys.stderr)
+            return 2
         from ._doctor import run
 
         return run()
@@ -155,7 +161,13 @@ def _repro(args: list[str]) -> int:
     paths = []
     i = 0
     while i < len(args):
-        if args[i] == "--device" and i + 1 < len(args):
+        if args[i] in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        if args[i] == "--device":
+            if i + 1 == len(args):
+                print(f"ampguard repro: --device needs a value: cpu or cuda (cuda:N)\n{USAGE}", file=sys.stderr)
+                return 2
             device = args[i + 1]
             i += 2
             continue

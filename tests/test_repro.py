@@ -263,6 +263,13 @@ def test_repro_usage_errors(python, tmp_path):
     assert out.returncode == 2 and "expected one bundle path" in out.stderr
     out = python(None, "-m", "ampguard", "repro", "x.pt", "--device", "tpu", cwd=tmp_path)
     assert out.returncode == 2 and "--device cpu or --device cuda" in out.stderr
+    out = python(None, "-m", "ampguard", "repro", "x.pt", "--device", cwd=tmp_path)
+    assert out.returncode == 2 and "--device needs a value: cpu or cuda" in out.stderr
+    for where in (["repro"], ["repro", "x.pt"], ["doctor"]):
+        out = python(None, "-m", "ampguard", *where, "--help", cwd=tmp_path)
+        assert out.returncode == 0 and out.stdout.startswith("usage: python -m ampguard"), out.stderr
+    out = python(None, "-m", "ampguard", "doctor", "--verbose", cwd=tmp_path)
+    assert out.returncode == 2 and "ampguard doctor: takes no arguments (got --verbose)" in out.stderr
 
 
 
