@@ -485,6 +485,85 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
     assert info.value.origin[-1].line.endswith("# PADDED ATTENTION")
 
 
+class Saturating(torch.nn.Module):
+    """A feature that is Inf in the data (log(0) in preprocessing) through a tanh: the loss stays finite, the
+    backward multiplies the tanh's zero gradient by the Inf the first layer saved: NaN gradients."""
+
+    def __init__(self, pre=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(6, 6) if pre else torch.nn.Identity()
+        self.body = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(self.pre(x))))  # SATURATED
+
+
+def _saturated_step(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def test_an_inf_in_the_data_that_a_tanh_hides_from_the_loss_is_named_as_the_data_not_as_an_op_that_made_it():
+    """It was reported as "aten.addmm ... created +Inf, -Inf (inputs finite)": the Inf was the data's."""
+    model = Saturating()
+    x = torch.randn(4, 6)
+    x[1, 2] = float("inf")
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        _saturated_step(model, x)
+    err, message = info.value, str(info.value)
+    assert err.sink == "gradient of parameter 'body.weight'" and err.op is None, message
+    assert "The forward met it: it entered already non-finite (+Inf): argument 0 of the call of 'Saturating'" \
+        in message, message
+    assert "an input of aten.addmm inside torch.linear in module 'body'" in message, message
+    assert "(inputs finite)" not in message and "The forward made it" not in message
+    assert "the backward of AddmmBackward0 met it among the values the forward saved" in message
+    assert "the backward pass made it" not in message
+    assert "input: shape (4, 6), torch.float32; 0 NaN, 1 +Inf, 0 -Inf of 24 elements" in message, message
+
+
+def test_an_inf_parameter_that_a_tanh_hides_from_the_loss_is_named_with_the_step_that_ran_on_it():
+    model = Saturating(pre=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        for _ in range(2):
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.body.weight[0, 0] = float("inf")  # set by hand after the step
+    err, message = info.value, str(info.value)
+    assert err.sink == "gradient of parameter 'pre.weight'" and err.op is None, message
+    assert "The forward met it: it entered already non-finite (+Inf): parameter 'body.weight', an input of " \
+        "aten.t inside torch.linear in module 'body'" in message, message
+    assert "The optimizer step of SGD#0 ran on it after its last check" in message, message
+
+
+def test_an_inf_in_every_batch_that_a_tanh_hides_is_named_after_the_scalers_skips_as_an_input():
+    """Under a GradScaler every step is skipped; the scale-1 replay finds the same NaN. It is not an overflow, and
+    the message says a non-finite input made it, not an op of the forward."""
+    ampguard.install()
+    model = Saturating()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(4, 6)
+    x[:, 2] = float("inf")  # (-Inf alone, from no parameter, is taken for an attention mask: see walk())
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        for _ in range(10):
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    err, message = info.value, str(info.value)
+    assert err.sink == "gradients at every loss scale", message
+    assert "GradScaler skipped 3 optimizer steps in a row" in message
+    assert "The forward met it: it entered already non-finite (+Inf): argument 0 of the call of 'Saturating'" \
+        in message, message
+    assert "The loss was finite: a non-finite input of the forward did (above)." in message, message
+
+
 def test_a_nan_gradient_without_a_replay_is_still_described():
     """trace='off' (or no module call with gradients): the message says no origin is known and describes the
     gradient. It once failed on its own variable and said "ampguard could not replay it ... freed before the check"."""

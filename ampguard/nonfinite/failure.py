@@ -34,11 +34,12 @@ _CHANGED_AFTER = ("code that changed the gradient after backward() and before th
                   ".grad.data, gradient surgery or noise, a manual all-reduce or rescale), ")
 _BACKWARD_NOT_REPRODUCED = _NOT_REPRODUCED.format(what="the replayed backward", first=_CHANGED_AFTER)
 _FORWARD_MADE = "  The forward made it:"  # a backward node met a non-finite value its forward saved (0 x NaN)
+_FORWARD_MET = "  The forward met it:"  # ... one that entered the forward non-finite (the data, a parameter)
 
 
 def _forward_made(lines: list[str]) -> bool:
-    """Whether _replay_backward's lines name a forward op (see _made_in_forward), not a backward one."""
-    return bool(lines) and lines[0].startswith(_FORWARD_MADE)
+    """Whether _replay_backward's lines name a forward value (see _made_in_forward), not a backward op."""
+    return bool(lines) and lines[0].startswith((_FORWARD_MADE, _FORWARD_MET))
 
 
 def fail(g: _guard.Guard, p: Pending) -> None:
@@ -294,21 +295,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     in_module = f" in module '{module}'" if module else ""
     entered = result["entered"]
     if entered is not None:
-        tensor, entered_kinds = entered[0](), entered[1]
-        if rec.name.startswith("aten.lift_fresh"):  # a Python number or a literal, made a tensor where the code ran
-            by = report.op_name(rec.fn) if rec.fn is not None else label
-            lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): a constant in your "
-                         f"code (a Python number or a tensor literal), given to {by}{in_module} at\n"
-                         f"    {report.where(own)}")
-        else:
-            what = _leaf_name(session, names, tensor)
-            lines.append(f"  It entered already non-finite ({report.kinds_words(entered_kinds)}): {what}, an input "
-                         f"of {label}{in_module} at\n    {report.where(own)}")
-            made = _made_by_a_step(g, tensor)
-            lines.extend(made or ["  No replayed op produced that input: it is the data, a parameter or buffer, or "
-                                  "the output of code ampguard did not replay."])
-        if tensor is not None:
-            lines.append(f"  input: {report.describe_tensor(tensor)}")
+        lines.extend(_entered(g, session, names, rec, entered, f"{in_module} at\n    {report.where(own)}",
+                              "  It entered"))
         op = module = None
     else:
         finite = "inputs finite but for a mask" if result["masks"] and result["path"][0] == result["origin"] else \
@@ -342,6 +330,27 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     lines.append(_CAUSES)
     return NonFiniteError("\n".join(lines), kind=kind, sink=p.sink, op=op, module=module,
                           origin=report.stack_summary(user) if user else None, chain=chain)
+
+
+def _entered(g: _guard.Guard, session: replay.Session, names: dict, rec: Any, entered: tuple, where: str,
+             lead: str) -> list[str]:
+    """The lines for a value that entered the replayed ops already non-finite (``walk``'s ``entered``): a constant
+    in the code, the data, a parameter (and the step that made it) or buffer. ``where``: ' in module .. at ..'."""
+    tensor, kinds = entered[0](), report.kinds_words(entered[1])
+    label = _label(rec)[0]
+    if rec.name.startswith("aten.lift_fresh"):  # a Python number or a literal, made a tensor where the code ran
+        by = report.op_name(rec.fn) if rec.fn is not None else label
+        lines = [f"{lead} already non-finite ({kinds}): a constant in your code (a Python number or a tensor "
+                 f"literal), given to {by}{where}"]
+    else:
+        lines = [f"{lead} already non-finite ({kinds}): {_leaf_name(session, names, tensor)}, an input of "
+                 f"{label}{where}"]
+        lines.extend(_made_by_a_step(g, tensor) or [
+            "  No replayed op produced that input: it is the data, a parameter or buffer, or the output of code "
+            "ampguard did not replay."])
+    if tensor is not None:
+        lines.append(f"  input: {report.describe_tensor(tensor)}")
+    return lines
 
 
 def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
@@ -472,17 +481,27 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     own, user_site, user = report.sites(rec.frames, rec.fn)
     in_module = f" in module '{module}'" if module else ""
     node = found["node"]
-    lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} (inputs finite){in_module} at"
-             f"\n    {report.where(own)}"]
-    if user_site is not None and user_site != own:
-        lines.append(f"  called from your code at\n    {report.where(user_site)}")
+    entered = walked["entered"]
+    called = f"\n  called from your code at\n    {report.where(user_site)}" \
+        if user_site is not None and user_site != own else ""
+    if entered is not None:  # the data (or a parameter, a constant) held it: no forward op made it
+        lines = _entered(g, session, _names(g, window), rec, entered,
+                         f"{in_module} at\n    {report.where(own)}{called}", f"{_FORWARD_MET} it entered")
+        op = module = None
+    else:
+        lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} (inputs finite){in_module} at"
+                 f"\n    {report.where(own)}{called}"]
     if walked["transition"] is not None:
         lines.append(_became(session.records[walked["transition"]]))
-    lines.append(f"  The loss did not use that value (a masked, padded or dropped position, say), so it stayed finite; "
-                 f"the backward of {node} met it among the values the forward saved, and finite gradients times it "
-                 f"gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). Keep the value finite where it is "
-                 "made (a fully masked attention row: mask with a large negative number, or give such rows one "
-                 "unmasked key).")
+    if entered is not None:
+        why = "an op that saturates (tanh, a clamp) or a mask kept that value from the loss, so it stayed finite"
+        keep = "Keep the input finite where it comes from: saturating it hides it from the loss, not from the backward"
+    else:
+        why = "the loss did not use that value (a masked, padded or dropped position, say), so it stayed finite"
+        keep = "Keep the value finite where it is made (a fully masked attention row: mask with a large negative " \
+            "number, or give such rows one unmasked key)"
+    lines.append(f"  {why[0].upper()}{why[1:]}; the backward of {node} met it among the values the forward saved, and "
+                 f"finite gradients times it gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). {keep}.")
     return op, module, report.stack_summary(user) if user else None, [*lines, *_written_inputs(session, True), *how]
 
 
@@ -531,7 +550,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on
         log.error("ampguard: the scale-1 replay after %d GradScaler skips failed", streak, exc_info=exc)
         return
-    if op is None:
+    if op is None and not _forward_made(lines):
         return  # finite at scale 1: a genuine overflow, which GradScaler's backing off handles
     kind = replay.primary(frozenset(kinds)) or "nan"
     sink = "gradients at every loss scale"
@@ -544,7 +563,8 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
             "them, and without this check the scale would collapse.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
             "without scaling the loss."]
-    made_by = "the forward made it (above)" if _forward_made(lines) else \
+    made_by = "a non-finite input of the forward did (above)" if lines and lines[0].startswith(_FORWARD_MET) else \
+        "the forward made it (above)" if _forward_made(lines) else \
         "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, division " \
         "by a small value, the torch.where trick)"
     tail = [f"  The loss was finite: {made_by}. This check runs after "
