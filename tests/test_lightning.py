@@ -1,5 +1,6 @@
 """Real Trainer.fit on CPU, tiny models, in both Lightning namespaces."""
 
+import contextlib
 import importlib
 import textwrap
 import warnings
@@ -569,3 +570,53 @@ def test_manual_optimization_nan_is_named_by_its_path_in_the_lightning_module(L)
         fit(L, gan_class(L, nan_in_critic_at=2)())
     assert info.value.sink == "loss" and info.value.op == "Tensor.mul" and info.value.module == "D.1"
     assert "lambda m, a, out: out * float(\"nan\")" in info.value.origin[-1].line
+
+
+# -- Fabric: its module wrapper is plumbing around the user's module, as a strategy's is -------------------------
+class FabricNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x))).log_softmax(-1)  # FABRIC NET
+
+
+def fabric_run(fabric_ns, precision, guarded, bad_at=None):
+    fabric = importlib.import_module(fabric_ns).Fabric(accelerator="cpu", devices=1, precision=precision)
+    net = FabricNet()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for i in range(3):
+            x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+            if i == bad_at:
+                x[0, 0] = float("inf")  # saturated by the tanh: the loss stays finite, the gradients do not
+            loss = torch.nn.functional.nll_loss(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("fabric_ns", ["lightning.fabric", "lightning_fabric"])
+def test_fabric_trains_bit_identically_and_names_the_users_modules(fabric_ns, precision):
+    """_FabricModule was taken for the user's model: names came out as '_forward_module.body.weight' (tied: also
+    '_original_module.body.weight'), and under bf16-mixed the replayed backward met Fabric's own output hook and
+    failed ("requires you to call `fabric.backward(loss)`"), so no origin was named."""
+    pytest.importorskip(fabric_ns)
+    plain, plain_model = fabric_run(fabric_ns, precision, guarded=False)
+    guarded, guarded_model = fabric_run(fabric_ns, precision, guarded=True)
+    assert guarded == plain
+    assert all(torch.equal(p, q) for p, q in zip(plain_model.parameters(), guarded_model.parameters(), strict=True))
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        fabric_run(fabric_ns, precision, guarded=True, bad_at=1)
+    err, message = info.value, str(info.value)
+    assert err.sink == "gradient of parameter 'body.weight'", message
+    assert "in module 'body'" in message and "_forward_module" not in message and "_original_module" not in message
+    assert "argument 0 of the call of 'FabricNet'" in message and "could not replay" not in message, message

@@ -422,13 +422,15 @@ _WRAPPERS = (("torch.nn.parallel.distributed", "DistributedDataParallel"),
              ("torch.nn.parallel.data_parallel", "DataParallel"),
              ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
              ("lightning.pytorch.overrides.base", "_LightningModuleWrapperBase"),
-             ("pytorch_lightning.overrides.base", "_LightningModuleWrapperBase"))
+             ("pytorch_lightning.overrides.base", "_LightningModuleWrapperBase"),
+             ("lightning.fabric.wrappers", "_FabricModule"),  # (its forward casts, autocasts, and hooks the output)
+             ("lightning_fabric.wrappers", "_FabricModule"))
 _kinds: dict[type, str | None] = {}
 
 
 def kind(module: Any) -> str | None:
-    """'wrapper' for DDP/DataParallel/FSDP and Lightning's strategy wrapper, whose forward is plumbing
-    around the user's module; 'compiled' for a torch.compile'd module; None otherwise. Once per class."""
+    """'wrapper' for DDP/DataParallel/FSDP, Lightning's strategy wrapper and Fabric's module, whose forward is
+    plumbing around the user's module; 'compiled' for a torch.compile'd module; None otherwise. Once per class."""
     cls = type(module)
     if cls in _kinds:
         return _kinds[cls]
