@@ -1181,3 +1181,71 @@ def test_a_nan_after_a_roots_own_pre_hook_is_named_where_it_was_made(hook, with_
     assert "It was created by Tensor.sqrt (inputs finite, output NaN)" in message, message
     assert err.origin[-1].lineno == line_of(func, marker), message
     assert "did not reproduce" not in message and "entered already non-finite" not in message, message
+
+
+# a metric module called in the loss code ----------------------------------------------------------------------
+def _metric_loop(bad_at):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    running = torchmetrics.MeanMetric()  # drops NaN values by default, with a warning
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        logits = model(x)
+        accuracy(logits, y)
+        if i == bad_at:
+            logits = logits + torch.log(torch.zeros(1) - 1)  # METRIC LOOP NAN
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        running(loss.detach())  # a running mean of the loss, before backward
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return running.compute().item(), accuracy.compute().item(), model
+
+
+def test_a_nan_loss_that_a_running_mean_metric_also_sees_is_named_where_the_loss_code_made_it():
+    """MeanMetric drops the NaN and divides 0 by 0 for the batch: its output is NaN as well, and it was read first
+    (its sink came first): the message named MeanMetric's division, "inputs finite", not the loss code's log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torchmetrics warns of the NaN it drops)
+        reference = _metric_loop(bad_at=None)
+        with ampguard.guard():
+            guarded = _metric_loop(bad_at=None)
+            with pytest.raises(ampguard.NonFiniteError) as info:
+                _metric_loop(bad_at=1)
+    assert guarded[:2] == reference[:2]
+    assert all(torch.equal(p, q) for p, q in zip(reference[2].parameters(), guarded[2].parameters(), strict=True))
+    err, message = info.value, str(info.value)
+    assert err.sink == "loss" and err.op == "torch.log", message
+    assert err.origin[-1].lineno == line_of(_metric_loop, "METRIC LOOP NAN"), message
+    assert "MeanMetric" not in message, message
+
+
+class NaNTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x).sqrt()  # TEACHER SQRT
+
+
+def test_a_teacher_whose_output_is_nan_before_the_loss_is_made_is_the_sink_reported():
+    """The loss it reaches fails too, but the loss code got the teacher's output through code not recorded (its
+    softmax ran before the student's call): the teacher's own output, made first, is what names the origin."""
+    student, teacher = Student(), NaNTeacher()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.no_grad():
+            soft = teacher(x).softmax(-1)
+        log_p = student(x).clamp_min(-10).nan_to_num(0.0)  # the student is fine
+        torch.nn.functional.kl_div(log_p, soft, reduction="batchmean").backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.sink == "output of module 'NaNTeacher'" and err.op == "Tensor.sqrt", message
+    assert err.origin[-1].lineno == line_of(NaNTeacher.forward, "TEACHER SQRT"), message

@@ -1385,17 +1385,29 @@ def _consume(values: list[float]) -> None:
         mine = [values[i] if i >= 0 else values[n + ~i] for i in at]
         if any(v != v for v in mine) or (not p.nan_only and (math.inf in mine or -math.inf in mine)
                                           and not _finite_after_all(p)):
-            failed = failed or p
-            if not skip:
-                break
-            if p.call is None:  # a loss or gradient sink: skip the step it reaches
-                t.poisoned = True
+            if failed is None or _made_at(p) < _made_at(failed):
+                failed = p
+            if p.call is None:  # a loss or gradient sink (added at backward or the step: after the outputs)
+                if not skip:
+                    break
+                t.poisoned = True  # skip the step it reaches
     if skip and elsewhere and not t.poisoned:
         t.poisoned = t.elsewhere = True  # another rank's loss or gradients: every rank skips together
     if failed is None:
         _clear_window()
         return
     _failure.fail(g, failed)
+
+
+def _made_at(p: Pending) -> float:
+    """Where in the window the value of a failed sink was made: an output at its call, a loss at the op that made
+    it; a gradient (or a value made outside the window) after all of them. Of the sinks that failed in one read, the
+    one made first is reported: a metric called on the loss (MeanMetric drops the loss's NaN and divides 0 by 0) or
+    an output read after it would otherwise be named in its place; a teacher's output made before the loss is."""
+    if p.call is not None:
+        return p.call.index if p.call.index >= 0 else math.inf
+    ref = p.ref
+    return ref.event if type(ref) is Ref and ref.event >= 0 else math.inf
 
 
 def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None) -> None:
