@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib
+import math
 import textwrap
 import warnings
 
@@ -620,3 +621,58 @@ def test_fabric_trains_bit_identically_and_names_the_users_modules(fabric_ns, pr
     assert err.sink == "gradient of parameter 'body.weight'", message
     assert "in module 'body'" in message and "_forward_module" not in message and "_original_module" not in message
     assert "argument 0 of the call of 'FabricNet'" in message and "could not replay" not in message, message
+
+
+# -- the learning-rate finder: a loss that diverges is its answer ------------------------------------------------
+def lr_find_run(L, guarded, nan_after=False):
+    tuner = importlib.import_module(f"{L.__name__}.tuner")
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.lr = 1e-3
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.layer(x)
+            if nan_after and self.lr != 1e-3 and batch_idx == 2:
+                out = out.log()  # LR FIND THEN NAN
+            return torch.nn.functional.mse_loss(out, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4, generator=g)
+    data = DataLoader(TensorDataset(x, x.sum(-1, keepdim=True)), batch_size=8)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    model = Regression()
+    with ampguard.guard() if guarded else contextlib.nullcontext() as active:
+        # up to lr 1e4 the loss overflows to Inf, then NaN: the finder reads that as divergence
+        found = tuner.Tuner(trainer).lr_find(model, train_dataloaders=data, min_lr=1e-4, max_lr=1e4,
+                                             num_training=60, early_stop_threshold=None, update_attr=True)
+        losses = found.results["loss"]
+        L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_train_batches=4).fit(model, data)
+    return found.suggestion(), losses, model, active
+
+
+def test_the_lr_finder_reads_a_diverging_loss_as_it_does_without_ampguard(L):
+    """Lightning's LR range test raises the learning rate until the loss diverges; under ampguard its first Inf
+    loss raised NonFiniteError and the finder never answered."""
+    plain = lr_find_run(L, guarded=False)
+    guarded = lr_find_run(L, guarded=True)
+    assert sum(not math.isfinite(v) for v in plain[1]) > 0  # the sweep did diverge
+    assert guarded[0] == plain[0]
+    assert [str(v) for v in guarded[1]] == [str(v) for v in plain[1]]
+    assert torch.equal(guarded[2].layer.weight, plain[2].layer.weight)
+    assert guarded[3].stats.nonfinite_detected == 0
+
+
+def test_after_the_lr_finder_the_checks_are_back_for_the_run(L):
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        lr_find_run(L, guarded=True, nan_after=True)
+    assert info.value.op == "Tensor.log" and info.value.sink == "loss", str(info.value)

@@ -159,6 +159,9 @@ for _namespace in ("lightning.pytorch", "pytorch_lightning"):
                         "from_training_step_output", sinks._closure_result,
                         "the loss backward() gets is training_step's divided by accumulate_grad_batches: record it",
                         feature=FEATURE))
+    REGISTRY.add(Target(_namespace, f"{_namespace}.callbacks.lr_finder:LearningRateFinder", "lr_find",
+                        sinks._lr_range_test, "an LR range test reads the loss diverging (NaN/Inf) as its answer: its "
+                        "run has no non-finite checks", feature=FEATURE))
     for _method in ("log", "log_dict"):
         REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", _method, sinks._lightning_log,
                             "self.log() is not loss code: its torch calls skip the loss-code record", feature=FEATURE))

@@ -999,6 +999,16 @@ def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     return result
 
 
+def _lr_range_test(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Lightning's learning-rate finder raises the learning rate until the loss diverges: a NaN or Inf loss is its
+    answer, not an error (it stops or skips there, and restores the model and optimizer after). It runs under a
+    guard of its own without the non-finite checks; every other feature stays as it is."""
+    if _guard.current(FEATURE) is None:
+        return wrapped(*args, **kwargs)
+    with _guard.guard(nonfinite="off"):
+        return wrapped(*args, **kwargs)
+
+
 def _lightning_log(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: ``self.log()``/``log_dict()`` inside training_step is not loss code. Its own torch calls (a
     copy, a conversion, a move per value: some five a value) are neither recorded nor sent through the
