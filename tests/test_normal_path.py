@@ -1,6 +1,7 @@
 """The normal path costs the same whatever the model's size: no pass of ampguard's own over
 parameters or outputs a loss covers, no tensor kept alive, nested module calls on torch's fast path."""
 
+import contextlib
 import gc
 import sys
 import weakref
@@ -515,3 +516,69 @@ def test_a_preference_step_with_a_frozen_reference_adds_one_read_and_no_pass_ove
 
     assert added_syncs(make) == 1
     assert norms == [3]  # the step's one foreach norm, over the policy's three gradients: none over logits
+
+
+# -- a DataLoader without workers: the dataset's transforms run in this process ---------------------------------
+class ModuleTransform(torch.nn.Module):
+    """A per-sample transform written as a module, as torchvision's v2 transforms are."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.full((3, 1, 1), 0.5))
+
+    def forward(self, image):
+        return image - self.mean
+
+
+class ImageSet(torch.utils.data.Dataset):
+    def __init__(self, bad=None):
+        g = torch.Generator().manual_seed(0)
+        self.images, self.labels = torch.rand(32, 3, 4, 4, generator=g), torch.randint(0, 5, (32,), generator=g)
+        self.transform, self.bad = ModuleTransform(), bad
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        image = self.images[i]
+        if i == self.bad:
+            image = torch.full_like(image, float("nan"))  # a corrupt sample
+        return self.transform(image), self.labels[i]
+
+
+def _loader_loop(guarded, bad=None, probe=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for x, y in torch.utils.data.DataLoader(ImageSet(bad), batch_size=8, num_workers=0):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if probe is not None:
+                probe.append([type(e).__name__ for e in nonfinite.T.window])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, model
+
+
+def test_a_datasets_module_transforms_in_the_main_process_are_not_outermost_calls():
+    """Each sample's transform was an outermost call: a status pass and the call's bookkeeping per sample (loading
+    several times slower), and the batch's calls filled the window the model's call needs."""
+    plain, plain_model = _loader_loop(guarded=False)
+    windows = []
+    guarded, guarded_model = _loader_loop(guarded=True, probe=windows)
+    assert guarded == plain
+    assert torch.equal(plain_model[1].weight, guarded_model[1].weight)
+    # the model's call and the loss code's cross_entropy: nothing of the loader's
+    assert windows == [["Call", "TapeOp"]] * 4, windows
+
+
+def test_a_corrupt_sample_transformed_in_the_main_process_is_named_as_the_models_input():
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _loader_loop(guarded=True, bad=13)
+    message = str(info.value)
+    assert info.value.sink == "loss" and info.value.op is None, message
+    assert "It entered already non-finite (NaN): argument 0 of the call of 'Sequential'" in message, message
+    assert "input: shape (8, 3, 4, 4), torch.float32; 48 NaN" in message, message

@@ -152,6 +152,10 @@ REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks.
 for _module in ("torch.nn.utils.clip_grad", "torch.nn.utils"):
     REGISTRY.add(Target("torch", _module, "clip_grad_norm_", sinks._clip_grad_norm,
                         "the gradient sink rides the total norm the loop computes anyway", feature=FEATURE))
+for _fetcher in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
+    REGISTRY.add(Target("torch", f"torch.utils.data._utils.fetch:{_fetcher}", "fetch", sinks._dataset_fetch,
+                        "a DataLoader's batch fetched in this process: its transforms' module calls are data "
+                        "preparation, not outermost calls", feature=FEATURE))
 for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
                         sinks._training_step, "end the loss-code record where training_step returns", feature=FEATURE))

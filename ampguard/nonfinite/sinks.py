@@ -196,6 +196,7 @@ class _Thread:
         self.taping = False  # record into the window (off while paused or full)
         self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
         self.last_shown = id(None)  # id of the exception an interactive shell showed last (sys.last_value)
+        self.fetching = 0  # >0 while a DataLoader without workers fetches a batch here (_dataset_fetch)
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
         self.stepped: ObjectState[bool] = ObjectState(lambda _: True)  # the optimizers that stepped here
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
@@ -442,6 +443,22 @@ def kind(module: Any) -> str | None:
     return result
 
 
+def _dataset_fetch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A DataLoader without workers fetches its batch in this process. The module calls of the dataset and the
+    collate function (a transform written as a module, as torchvision's v2 transforms are) prepare data, as they
+    do in a worker, and are no outermost calls: at one status pass and some 50 us per sample, they made loading
+    several times slower, and their calls filled the window that the model's call needs. A NaN they make reaches
+    the model's call as its input, which names the data. Nor is the fetch loss code: the record stops here."""
+    t = _here.state
+    t.fetching += 1
+    try:
+        if t.taping:
+            end_tape(t)
+        return wrapped(*args, **kwargs)
+    finally:
+        t.fetching -= 1
+
+
 def _in_worker() -> bool:
     worker = sys.modules.get("torch.utils.data._utils.worker")
     return worker is not None and worker._worker_info is not None
@@ -533,8 +550,8 @@ def enter(module: Any, frame: Any) -> int:
         # torch.jit.trace, what ampguard does with the call's tensors would change the graph (its value names)
         return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
-    if g is None or _graph_task_id() != -1 or _in_worker():
-        return outermost.NOT_OUTERMOST  # a checkpoint's re-run in backward, or a DataLoader worker
+    if g is None or _graph_task_id() != -1 or _in_worker() or t.fetching:
+        return outermost.NOT_OUTERMOST  # a checkpoint's re-run in backward, or a DataLoader's fetch (see _in_worker)
     if _compiled_graph_call(module, frame):
         return outermost.NOT_OUTERMOST
     if kind(module) == "wrapper":
