@@ -462,3 +462,57 @@ def test_a_loop_that_catches_the_error_under_a_grad_scaler_rolls_back_and_goes_o
     plain, guarded = rollback_loop(False), rollback_loop(True)
     assert guarded[1:] == plain[1:] and guarded[3] == 1
     assert all(torch.equal(p, q) for p, q in zip(plain[0], guarded[0], strict=True))
+
+
+# -- tensors with a shape and no data: a meta-device probe, a step under FakeTensorMode --------------------------
+def _real_steps_after(probe):
+    """``probe()`` runs first (no data anywhere in it), then real training steps, then a NaN: it must still be
+    named, and nothing may have warned of an internal error."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampguard.guard() as g, pytest.raises(ampguard.NonFiniteError) as info:
+            kept = probe()
+            for _ in range(2):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            assert kept is not None
+            model(torch.randn(4, 8)).sub(100).log().mean().backward()  # log of a negative: NaN
+            opt.step()
+    assert [str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)] == []
+    assert "nonfinite" not in g._disabled
+    assert info.value.sink == "loss" and info.value.op == "Tensor.log", str(info.value)
+
+
+def test_a_meta_device_shape_probe_kept_alive_does_not_switch_the_checks_off():
+    """Its output's status was read with the step's: 'Cannot copy out of meta tensor', an internal error."""
+    meta = torch.nn.Linear(8, 2, device="meta")
+
+    def probe():
+        with torch.no_grad():  # (an output without grad has its status taken at once)
+            shapes = meta(torch.empty(4, 8, device="meta"))
+        return shapes, meta(torch.empty(4, 8, device="meta"))  # kept until the step's read
+
+    _real_steps_after(probe)
+
+
+def test_a_memory_estimate_under_fake_tensors_does_not_switch_the_checks_off():
+    """A whole step under FakeTensorMode, as memory estimators run one before training: its loss's value was read
+    ("DataDependentOutputException"), an internal error that switched the checks off for the run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def estimate():
+        with FakeTensorMode():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            for _ in range(2):
+                out = model(torch.randn(4, 8))
+                out.pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return out
+
+    _real_steps_after(estimate)

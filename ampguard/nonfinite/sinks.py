@@ -280,8 +280,20 @@ def finite(tensor: Any) -> bool:
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
+    """A tensor a sink reads: on a watched device, and one that holds data (see :func:`no_data`)."""
     devices = g.options.devices
-    return devices is None or tensor.device.type in devices
+    return (devices is None or tensor.device.type in devices) and not no_data(tensor)
+
+
+def no_data(tensor: Any) -> bool:
+    """A tensor with a shape and no data: on the meta device (a shape probe) or a FakeTensor (torch's
+    FakeTensorMode, which memory estimators run a whole step under). It is never a sink: nothing can be read."""
+    if tensor.is_meta:
+        return True
+    if type(tensor) is _Tensor:
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(tensor, fake.FakeTensor)
 
 
 def floating_tensor(t: Any) -> bool:
@@ -697,7 +709,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if g is None or entry is None:
         return
     leaves = output_leaves(output)
-    outputs = [(o, k) for o, k, sink in leaves if sink]
+    outputs = [(o, k) for o, k, sink in leaves if sink and not no_data(o)]
     devices = g.options.devices
     if devices is not None:
         outputs = [(o, k) for o, k in outputs if o.device.type in devices]
@@ -1121,7 +1133,7 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                 continue
             params.append(p)
             grads.append(grad)
-    if not params:
+    if not params or no_data(grads[0]):  # (a step under FakeTensorMode: memory estimation)
         return
     clip, t.clip = t.clip, None
     if clip is not None and clip[2] == t.backwards and all(id(p) in clip[1] for p in params):
