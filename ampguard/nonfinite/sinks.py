@@ -282,7 +282,8 @@ def finite(tensor: Any) -> bool:
 def watched(g: _guard.Guard, tensor: Any) -> bool:
     """A tensor a sink reads: on a watched device, and one that holds data (see :func:`no_data`)."""
     devices = g.options.devices
-    return (devices is None or tensor.device.type in devices) and not no_data(tensor)
+    return (devices is None or tensor.device.type in devices) and \
+        not (tensor.is_meta or (type(tensor) is not _Tensor and no_data(tensor)))  # (no call for a plain tensor)
 
 
 def no_data(tensor: Any) -> bool:
@@ -709,7 +710,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if g is None or entry is None:
         return
     leaves = output_leaves(output)
-    outputs = [(o, k) for o, k, sink in leaves if sink and not no_data(o)]
+    outputs = [(o, k) for o, k, sink in leaves if sink and not (o.is_meta or (type(o) is not _Tensor and no_data(o)))]
     devices = g.options.devices
     if devices is not None:
         outputs = [(o, k) for o, k in outputs if o.device.type in devices]
