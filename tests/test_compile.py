@@ -2,6 +2,7 @@
 
 import contextlib
 import inspect
+import logging
 import re
 import warnings
 
@@ -422,3 +423,60 @@ def test_torch_jit_trace_in_grad_mode_gives_the_graph_it_gives_without_ampguard(
     graph, out = _traced_graph(guarded=True)
     assert graph == plain_graph
     assert torch.equal(out, plain_out)
+
+
+# -- an optimizer step compiled in its function (torch's "compile the optimizer" recipe) ----------------------------
+def _compiled_step_run(guarded, bad_at=None, seen=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    @torch.compile(backend="eager")
+    def opt_step():
+        opt.step()
+
+    g = torch.Generator().manual_seed(1)
+    losses, before = [], None
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for i in range(3):
+            loss = model(torch.randn(5, 8, generator=g)).pow(2).mean()
+            if i == bad_at:
+                before = [p.detach().clone() for p in model.parameters()]
+                if seen is not None:
+                    seen.update(model=model, before=before)
+                loss = loss * torch.tensor(float("nan"))  # COMPILED STEP NAN
+            loss.backward()
+            opt_step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, model, before
+
+
+def test_a_compiled_optimizer_step_trains_as_without_ampguard_and_breaks_no_graph_noisily(caplog):
+    """Dynamo traced the global pre-step hook, and its read broke the graph at Tensor.item() with a warning and a
+    traceback through ampguard's frames at every compile."""
+    torch._dynamo.reset()
+    plain, plain_model, _ = _compiled_step_run(guarded=False)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        guarded, guarded_model, _ = _compiled_step_run(guarded=True)
+    assert guarded == plain
+    assert all(torch.equal(p, q) for p, q in zip(plain_model.parameters(), guarded_model.parameters(), strict=True))
+    ours = [r.getMessage()[:300] for r in caplog.records if "ampguard" in r.getMessage()]
+    assert ours == []
+
+
+def test_a_nan_before_a_compiled_optimizer_step_is_named_and_the_step_not_applied():
+    """The read ran in dynamo's frame, where the replay could not set its eager stance: the error said "ampguard
+    could not replay it: attempted to set_stance in a torch.compile region"."""
+    torch._dynamo.reset()
+    seen = {}
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _compiled_step_run(guarded=True, bad_at=1, seen=seen)
+    err, message = info.value, str(info.value)
+    assert err.sink == "loss", message
+    assert "It entered already non-finite (NaN): a constant in your code (a Python number or a tensor literal), " \
+        "given to torch.tensor" in message, message
+    assert err.origin[-1].lineno == line_of(_compiled_step_run, "COMPILED STEP NAN"), message
+    assert "could not replay" not in message
+    assert all(torch.equal(p, q) for p, q in zip(seen["model"].parameters(), seen["before"], strict=True))

@@ -1162,14 +1162,36 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         return None  # under a GradScaler non-finite gradients are its business; read at update()
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
     if closure is None:
-        _add_grads(g, optimizer)
-        _check_step(g, optimizer)
+        if _is_compiling():
+            _eagerly(_read_step)(g, optimizer)
+        else:
+            _read_step(g, optimizer)
         return None
     # The closure runs the forward and backward inside step(): read after it, before the update.
     checked = _CheckedClosure(g, optimizer, closure)
     if len(args) > 1:
         return (args[0], checked, *args[2:]), kwargs
     return args, {**kwargs, "closure": checked}
+
+
+def _read_step(g: _guard.Guard, optimizer: Any) -> None:
+    __tracebackhide__ = True
+    _add_grads(g, optimizer)
+    _check_step(g, optimizer)
+
+
+_EAGER: dict = {}
+
+
+def _eagerly(fn: Any) -> Any:
+    """``fn`` wrapped so that dynamo never traces it. A step inside a compiled function (torch's "compile the
+    optimizer" recipe) has dynamo trace this hook: the read would break the graph with a warning (a traceback
+    through ampguard), and fail in dynamo's frame. Disabled, it is one silent graph break before the step, where
+    the read runs eagerly, checks and replay included. (Under a GradScaler nothing is read here: no break.)"""
+    eager = _EAGER.get(fn)
+    if eager is None:
+        eager = _EAGER[fn] = sys.modules["torch._dynamo"].disable(fn)
+    return eager
 
 
 class _CheckedClosure:
