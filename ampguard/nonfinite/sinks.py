@@ -1145,8 +1145,18 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                              optimizer=weakref.ref(optimizer)))
 
 
-@fail_safe(FEATURE)
 def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    """torch's global pre-step hook. Inside a compiled function that steps the optimizer (torch's "compile the
+    optimizer" recipe) dynamo traces it: it then runs through ``torch._dynamo.disable`` (see _eagerly), before it
+    touches any of ampguard's objects (dynamo before 2.6 cannot guard on them)."""
+    __tracebackhide__ = True
+    if _is_compiling():
+        return _eagerly(_pre_step)(optimizer, args, kwargs)
+    return _pre_step(optimizer, args, kwargs)
+
+
+@fail_safe(FEATURE)
+def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
     g = _guard.current(FEATURE)
@@ -1162,10 +1172,8 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         return None  # under a GradScaler non-finite gradients are its business; read at update()
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
     if closure is None:
-        if _is_compiling():
-            _eagerly(_read_step)(g, optimizer)
-        else:
-            _read_step(g, optimizer)
+        _add_grads(g, optimizer)
+        _check_step(g, optimizer)
         return None
     # The closure runs the forward and backward inside step(): read after it, before the update.
     checked = _CheckedClosure(g, optimizer, closure)
@@ -1174,20 +1182,14 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     return args, {**kwargs, "closure": checked}
 
 
-def _read_step(g: _guard.Guard, optimizer: Any) -> None:
-    __tracebackhide__ = True
-    _add_grads(g, optimizer)
-    _check_step(g, optimizer)
-
-
 _EAGER: dict = {}
 
 
 def _eagerly(fn: Any) -> Any:
     """``fn`` wrapped so that dynamo never traces it. A step inside a compiled function (torch's "compile the
-    optimizer" recipe) has dynamo trace this hook: the read would break the graph with a warning (a traceback
-    through ampguard), and fail in dynamo's frame. Disabled, it is one silent graph break before the step, where
-    the read runs eagerly, checks and replay included. (Under a GradScaler nothing is read here: no break.)"""
+    optimizer" recipe) has dynamo trace the pre-step hook: the read would break the graph with a warning (a
+    traceback through ampguard), and fail in dynamo's frame. Disabled, it is one silent graph break before the
+    step, where the hook runs eagerly, checks and replay included."""
     eager = _EAGER.get(fn)
     if eager is None:
         eager = _EAGER[fn] = sys.modules["torch._dynamo"].disable(fn)
