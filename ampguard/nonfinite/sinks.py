@@ -1145,19 +1145,14 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                              optimizer=weakref.ref(optimizer)))
 
 
+@fail_safe(FEATURE)
 def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     """torch's global pre-step hook. Inside a compiled function that steps the optimizer (torch's "compile the
-    optimizer" recipe) dynamo traces it: it then runs through ``torch._dynamo.disable`` (see _eagerly), before it
-    touches any of ampguard's objects (dynamo before 2.6 cannot guard on them)."""
-    __tracebackhide__ = True
-    if _is_compiling():
-        return _eagerly(_pre_step)(optimizer, args, kwargs)
-    return _pre_step(optimizer, args, kwargs)
-
-
-@fail_safe(FEATURE)
-def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    optimizer" recipe) dynamo traces it: it then calls itself through ``torch._dynamo.disable`` (see _eagerly),
+    before it touches any of ampguard's objects (dynamo before 2.6 cannot guard on them)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    if _is_compiling():
+        return _eagerly(optimizer_pre_step)(optimizer, args, kwargs)
     t = _here.state
     g = _guard.current(FEATURE)
     if g is None or t.replaying:
