@@ -3,7 +3,15 @@ counting the host reads ampguard adds."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+
+
+def line_of(func, marker: str) -> int:
+    """The line number of the first line of ``func``'s source that holds ``marker`` (a comment the test names)."""
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
 class Overflow:

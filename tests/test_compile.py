@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, data
+from loops import Overflow, data, line_of
 
 import ampguard
 from ampguard import nonfinite
@@ -21,10 +21,6 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
 
-
-def line_of(func, marker):
-    lines, start = inspect.getsourcelines(func)
-    return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
 def mlp():

@@ -1,12 +1,11 @@
 """Invisible when nothing is wrong: warnings keep their place, counters say what they mean."""
 
 import contextlib
-import inspect
 import warnings
 
 import pytest
 import torch
-from loops import Overflow, data, model
+from loops import Overflow, data, line_of, model
 
 import ampguard
 
@@ -192,10 +191,6 @@ def test_patched_functions_pickle_and_copy_as_functions_do(python, tmp_path):
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
 
 
-
-def line_of(func, marker):
-    lines, start = inspect.getsourcelines(func)
-    return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
 # -- torch's function-mode stack: the loss-code recorder is one of its modes while it records ---------------------

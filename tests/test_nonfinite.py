@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, TokenLM
+from loops import Overflow, TokenLM, line_of
 
 import ampguard
 from ampguard import nonfinite
@@ -25,12 +25,6 @@ class Saturating(torch.nn.Module):
     def forward(self, x):
         return torch.sigmoid(self.fc(x) * 100)
 
-
-def line_of(func, marker):
-    import inspect
-
-    lines, start = inspect.getsourcelines(func)
-    return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
 def test_fp16_log_of_a_saturated_sigmoid_names_the_log_line_and_the_nan_transition():

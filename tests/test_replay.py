@@ -2,20 +2,15 @@
 
 import contextlib
 import gc
-import inspect
 import warnings
 
 import pytest
 import torch
 import torch.utils.checkpoint
+from loops import line_of
 
 import ampguard
 from ampguard import nonfinite
-
-
-def line_of(func, marker):
-    lines, start = inspect.getsourcelines(func)
-    return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
 # 1. attention masks --------------------------------------------------------------------------
