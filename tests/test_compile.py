@@ -22,7 +22,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-
 def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))

@@ -191,8 +191,6 @@ def test_patched_functions_pickle_and_copy_as_functions_do(python, tmp_path):
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
 
 
-
-
 # -- torch's function-mode stack: the loss-code recorder is one of its modes while it records ---------------------
 def _modes():
     return [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]

@@ -26,7 +26,6 @@ class Saturating(torch.nn.Module):
         return torch.sigmoid(self.fc(x) * 100)
 
 
-
 def test_fp16_log_of_a_saturated_sigmoid_names_the_log_line_and_the_nan_transition():
     ampguard.install()
     m = Saturating()
