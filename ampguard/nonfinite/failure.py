@@ -8,7 +8,6 @@ import math
 import re
 import sys
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from .. import _guard
@@ -55,7 +54,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         return  # warn mode replays once per sink and module
     T.repro_origin = None
     try:
-        error = outside_compile(build)(g, p, window, losses)
+        error = sinks.outside_compile(build)(g, p, window, losses)
     except (AmpGuardError, AmpGuardWarning):
         raise
     except Exception as exc:  # the explanation failed, the detection did not: still report it
@@ -67,14 +66,6 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)
-
-
-def outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run as outside torch.compile. A read can fail in a compiled function's frame (an optimizer step
-    compiled with its function): there dynamo would trace the replay's own frames, and refuses the eager stance
-    that the replay sets for compiled modules."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return fn if dynamo is None else dynamo.disable(fn)
 
 
 def _first_time(g: _guard.Guard, key: Any) -> bool:
@@ -553,7 +544,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
         return
     kinds: set = set()
     try:
-        op, module, origin, lines = outside_compile(_replay_backward)(g, window, losses, kinds)
+        op, module, origin, lines = sinks.outside_compile(_replay_backward)(g, window, losses, kinds)
     except (AmpGuardError, AmpGuardWarning):
         raise
     except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on

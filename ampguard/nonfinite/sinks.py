@@ -40,7 +40,7 @@ import logging
 import math
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _guard, _sync, schedulers
@@ -1148,11 +1148,13 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
 @fail_safe(FEATURE)
 def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     """torch's global pre-step hook. Inside a compiled function that steps the optimizer (torch's "compile the
-    optimizer" recipe) dynamo traces it: it then calls itself through ``torch._dynamo.disable`` (see _eagerly),
-    before it touches any of ampguard's objects (dynamo before 2.6 cannot guard on them)."""
+    optimizer" recipe) dynamo traces it: it then calls itself through ``torch._dynamo.disable`` (one silent graph
+    break before the step, where it runs eagerly, checks and replay included), before it touches any of ampguard's
+    objects (dynamo before 2.6 cannot guard on them). Traced, its read broke the graph with a warning and a traceback
+    through ampguard, and failed in dynamo's frame."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     if _is_compiling():
-        return _eagerly(optimizer_pre_step)(optimizer, args, kwargs)
+        return outside_compile(optimizer_pre_step)(optimizer, args, kwargs)
     t = _here.state
     g = _guard.current(FEATURE)
     if g is None or t.replaying:
@@ -1177,18 +1179,12 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     return args, {**kwargs, "closure": checked}
 
 
-_EAGER: dict = {}
-
-
-def _eagerly(fn: Any) -> Any:
-    """``fn`` wrapped so that dynamo never traces it. A step inside a compiled function (torch's "compile the
-    optimizer" recipe) has dynamo trace the pre-step hook: the read would break the graph with a warning (a
-    traceback through ampguard), and fail in dynamo's frame. Disabled, it is one silent graph break before the
-    step, where the hook runs eagerly, checks and replay included."""
-    eager = _EAGER.get(fn)
-    if eager is None:
-        eager = _EAGER[fn] = sys.modules["torch._dynamo"].disable(fn)
-    return eager
+def outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as run outside torch.compile (``torch._dynamo.disable``), where dynamo is loaded: a compiled
+    optimizer step's hook, and the failure path, whose replay dynamo would trace, and whose eager stance it refuses
+    in a compiled function's frame."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return fn if dynamo is None else dynamo.disable(fn)
 
 
 class _CheckedClosure:
