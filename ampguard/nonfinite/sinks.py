@@ -863,14 +863,21 @@ def _push_under(mode: Any) -> None:
     keeps that one at the bottom, and its exit checks that it is there."""
     C = _torch._C
     n = C._len_torch_function_stack()
-    if n:
-        bottom = getattr(getattr(_torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-        above = [C._pop_torch_function_stack() for _ in range(n - (C._get_function_stack_at(0) is bottom))]
-        C._push_on_torch_function_stack(mode)
-        for other in reversed(above):
-            C._push_on_torch_function_stack(other)
-    else:
-        C._push_on_torch_function_stack(mode)
+    if not n:
+        C._push_on_torch_function_stack(mode)  # (the usual case)
+        return
+    bottom = getattr(getattr(_torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    _beneath(n - (C._get_function_stack_at(0) is bottom), C._push_on_torch_function_stack, mode)
+
+
+def _beneath(depth: int, action: Callable[..., Any], *args: Any) -> None:
+    """``action(*args)`` on torch's function-mode stack with its top ``depth`` modes taken off, then put back in
+    their order."""
+    C = _torch._C
+    above = [C._pop_torch_function_stack() for _ in range(depth)]
+    action(*args)
+    for other in reversed(above):
+        C._push_on_torch_function_stack(other)
 
 
 def end_tape(t: _Thread | None = None) -> None:
@@ -891,10 +898,7 @@ def end_tape(t: _Thread | None = None) -> None:
         return
     for i in range(n - 2, -1, -1):  # under modes the user entered since: taken out from under them
         if C._get_function_stack_at(i) is mode:
-            above = [C._pop_torch_function_stack() for _ in range(n - 1 - i)]
-            C._pop_torch_function_stack()
-            for other in reversed(above):
-                C._push_on_torch_function_stack(other)
+            _beneath(n - 1 - i, C._pop_torch_function_stack)
             t.tape = None
             return
     # Not on the stack: torch is dispatching a call to it (Tensor.backward), and puts it back after; taken off
