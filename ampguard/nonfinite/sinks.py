@@ -710,10 +710,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     if g is None or entry is None:
         return
     leaves = output_leaves(output)
-    outputs = [(o, k) for o, k, sink in leaves if sink and not (o.is_meta or (type(o) is not _Tensor and no_data(o)))]
-    devices = g.options.devices
-    if devices is not None:
-        outputs = [(o, k) for o, k in outputs if o.device.type in devices]
+    outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
     training = entry[2] and not entry[3]
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
