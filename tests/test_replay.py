@@ -1244,3 +1244,98 @@ def test_a_teacher_whose_output_is_nan_before_the_loss_is_made_is_the_sink_repor
     err, message = info.value, str(info.value)
     assert err.sink == "output of module 'NaNTeacher'" and err.op == "Tensor.sqrt", message
     assert err.origin[-1].lineno == line_of(NaNTeacher.forward, "TEACHER SQRT"), message
+
+
+class OutOfMemory(Exception):
+    """Stands in for torch.OutOfMemoryError, which a CPU cannot be made to raise on demand."""
+
+
+class Retried(torch.nn.Module):
+    """Runs out of memory above four rows, as a model does on a batch too large for the device."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+        self.bad = False
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            raise OutOfMemory("too large a batch")
+        h = self.a(x)
+        return self.b(h.sqrt() if self.bad else torch.relu(h))  # RETRIED SQRT
+
+
+def _retry_on_oom(guarded, bad_at=None, steps=4):
+    """The loop that retries half the batch after an out-of-memory error; each step's first call raises."""
+    model = Retried()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses, modes = [], []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for i in range(steps):
+            model.bad = i == bad_at
+            x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)
+            try:
+                out = model(x)
+            except OutOfMemory:
+                modes.append(len(torch.overrides._get_current_function_mode_stack()))
+                x, y = x[:4], y[:4]
+                out = model(x)  # RETRY CALL
+            loss = torch.nn.functional.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], modes
+
+
+def test_a_call_that_raised_and_was_retried_trains_exactly_as_without_ampguard_and_leaves_no_recorder_on():
+    plain, guarded = _retry_on_oom(False), _retry_on_oom(True)
+    assert guarded[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1], strict=True))
+    # no loss code follows a call that made nothing: the loss-code recorder is not on in the user's handler
+    assert guarded[2] == plain[2] == [0, 0, 0, 0]
+
+
+def test_a_nan_in_the_retried_call_is_named_not_the_call_that_raised_replayed():
+    """The call that raised is not in the replay's window: replayed, it raised again, and the report said only
+    that the replay failed."""
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        _retry_on_oom(True, bad_at=2)
+    err, message = info.value, str(info.value)
+    assert "could not replay" not in message and "OutOfMemory" not in message, message
+    assert err.op == "Tensor.sqrt", message
+    assert err.origin[-1].lineno == line_of(Retried.forward, "RETRIED SQRT"), message
+    assert any(f.lineno == line_of(_retry_on_oom, "RETRY CALL") for f in err.origin), message
+
+
+class FlakyTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        raise OutOfMemory("the teacher does not fit")
+
+
+def test_a_teacher_call_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded():
+    torch.manual_seed(1)
+    student, teacher = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LogSoftmax(-1)), FlakyTeacher()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        log_p = student(x)
+        with torch.no_grad():
+            try:
+                soft = teacher(x).softmax(-1)
+            except OutOfMemory:
+                soft = torch.full((4, 4), 0.25)
+        loss = torch.nn.functional.kl_div(log_p, soft, reduction="batchmean") + (log_p - 1).sqrt().mean()  # AFTER
+        loss.backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "Tensor.sqrt", message
+    assert err.origin[-1].lineno == line_of(
+        test_a_teacher_call_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded, "# AFTER"), message

@@ -81,9 +81,9 @@ def _switch_hooks() -> Any:
 _eager_names: Any = None
 
 
-def _exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+def _exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
     _eager_names_off()
-    sinks.exit(module, args, kwargs, output)
+    sinks.exit(module, args, kwargs, output, raised)
 
 
 def _enter(module: Any, frame: Any) -> int:

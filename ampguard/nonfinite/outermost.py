@@ -56,7 +56,8 @@ class _Hooks:
         self.attached: dict[int, Any] = {}  # id(module) -> module with instance hooks now
         # enter(module, frame): NOT_OUTERMOST, or OUTERMOST (suspend), or OUTERMOST_KEEP_HOOKS (trace='eager')
         self.enter: Callable[[Any, Any], int] = lambda module, frame: NOT_OUTERMOST
-        self.exit: Callable[[Any, tuple, dict, Any], None] = lambda module, args, kwargs, output: None
+        # exit(module, args, kwargs, output, raised): raised, when the call ends in an exception (no output)
+        self.exit: Callable[..., None] = lambda module, args, kwargs, output, raised=False: None
         self.nested: Callable[[Any], None] = lambda module: None
 
 
@@ -78,11 +79,11 @@ class _Open:
 _here = PerThread(_Open)
 
 
-def switch_on(enter: Callable[[Any, Any], int], exit: Callable[[Any, tuple, dict, Any], None],
+def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],
               nested: Callable[[Any], None]) -> Callable[[], None]:
     """Register the global pre-hook; ``enter(module, frame)`` says whether a call is outermost,
-    ``exit(module, args, kwargs, output)`` ends one, ``nested(module)`` sees calls inside one while
-    the hooks are on (trace='eager')."""
+    ``exit(module, args, kwargs, output, raised)`` ends one (``raised``: it ends in an exception), ``nested(module)``
+    sees calls inside one while the hooks are on (trace='eager')."""
     from torch.nn.modules import module as nn_module
     from torch.utils.hooks import RemovableHandle
 
@@ -256,14 +257,22 @@ def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     if local.nesting:
         local.nesting -= 1
         return
-    generation, entry = local.generation, local.entry
+    generation, entry, frame = local.generation, local.entry, local.frame
     forget()
     if generation == H.generation:
         if entry is not None:  # the arguments as the call was made: the forward hooks get what pre-hooks returned
             args = entry[0]
             if entry[1] is not None:
                 kwargs = entry[1]
-        H.exit(module, args, kwargs or {}, output)
+        H.exit(module, args, kwargs or {}, output, _raised_through(frame))
+
+
+def _raised_through(frame: Any) -> bool:
+    """Whether this always-call hook runs because the call raised: torch calls it from the ``except`` around its
+    ``inner()`` (``frame``), so the exception being handled came out of that very frame. A call made inside the
+    user's own ``except`` block sees the user's exception, which never passed through this call's frame."""
+    tb = sys.exc_info()[2]
+    return tb is not None and tb.tb_next is not None and tb.tb_next.tb_frame is frame
 
 
 # -- models compiled in place -------------------------------------------------------------------

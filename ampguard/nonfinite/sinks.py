@@ -700,7 +700,7 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
     return refs
 
 
-def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
     __tracebackhide__ = True
     t = _here.state
     if t.eager_stack:
@@ -708,6 +708,14 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     entry, t.entry = t.entry, None
     g = _guard.current(FEATURE)
     if g is None or entry is None:
+        return
+    if raised:
+        # The call made nothing (an out-of-memory error that the loop catches, to retry a smaller batch): it is
+        # not in the window, where a replay would run it again and fail on it, and no loss code follows it.
+        if t.eager:
+            end_tape(t)
+        elif t.resume_tape:
+            start_tape(g)  # a teacher's call inside the loss code: the loss code goes on
         return
     leaves = output_leaves(output)
     outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
