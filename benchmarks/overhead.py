@@ -6,6 +6,7 @@ replay (the failure path) on the GPT-2-style model.
 
     python benchmarks/overhead.py                      # every workload, CPU (or CUDA if present)
     python benchmarks/overhead.py --only tiny,lightning --reps 9
+    python benchmarks/overhead.py --only rollout       # inference: two small no_grad module calls a step
     python benchmarks/overhead.py --quick              # seconds: a smoke run for the tests
     python benchmarks/overhead.py --only gpt2-small    # GPU: GPT-2-small size, fp16 autocast + GradScaler
     python benchmarks/overhead.py --only mlp,conv      # the parameter-heavy workloads
@@ -76,6 +77,23 @@ def tiny():
         scaler.update()
         sched.step()
         opt.zero_grad()
+
+    return step
+
+
+def rollout(width=64):
+    """An RL rollout step on the CPU: a policy and a value MLP, each called on one observation under no_grad,
+    and an action sampled from the policy. Two outermost module calls of inference a step, nothing else."""
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                 torch.nn.Tanh(), torch.nn.Linear(width, 4)).to(DEVICE)
+    value = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)).to(DEVICE)
+    obs = torch.randn(1, 8, device=DEVICE)
+
+    def step():
+        with torch.no_grad():
+            logits, _ = policy(obs), value(obs)
+            int(torch.distributions.Categorical(logits=logits).sample())  # the action goes to the environment
 
     return step
 
@@ -396,13 +414,14 @@ def memory(quick):
     print(f"  guard {guarded:8.0f} MiB {guarded / plain:7.3f}x")
 
 
-WORKLOADS = ("tiny", "lightning", "lightning-log", "mlp", "conv", "encoder", "gpt2", "scaling", "memory", "gpt2-small")
+WORKLOADS = ("tiny", "lightning", "lightning-log", "rollout", "mlp", "conv", "encoder", "gpt2", "scaling", "memory",
+             "gpt2-small")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="tiny,lightning,lightning-log,mlp,conv,encoder,gpt2",
+    parser.add_argument("--only", default="tiny,lightning,lightning-log,rollout,mlp,conv,encoder,gpt2",
                         help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
@@ -430,6 +449,9 @@ def main() -> None:
     if "lightning-log" in only:
         show("Lightning Trainer.fit, one Linear, batch 2, training_step logs the loss and the LR (self.log)",
              measure_fit(lightning_fit(log=True), fits, reps, 12 if q else 120))
+    if "rollout" in only:
+        show("RL rollout: policy MLP 8-64-64-4 and value MLP 8-64-1 under no_grad, an action sampled (per env step)",
+             measure(rollout(), small, reps, 20 if q else 500))
     if "mlp" in only:
         show("wide MLP, 3 x Linear(2048, 2048), batch 8, SGD momentum (12.6M parameters)",
              measure(wide_mlp(64) if q else wide_mlp(), every, reps, 2 if q else 10))
