@@ -64,8 +64,8 @@ def count(workload: str, options: dict[str, Any] | None, steps: int) -> Counter:
     block = contextlib.nullcontext() if options is None else ampguard.guard(**options)
     try:
         with block:
-            if workload == "tiny":
-                step = overhead.tiny()
+            if workload in ("tiny", "rollout"):
+                step = overhead.tiny() if workload == "tiny" else overhead.rollout()
                 for _ in range(20):
                     step()
                 counter.on()
@@ -104,7 +104,7 @@ def _where(code: Any) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("tiny", "lightning"), default="tiny")
+    parser.add_argument("--workload", choices=("tiny", "lightning", "rollout"), default="tiny")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=15, help="ampguard's functions to list per configuration")
     args = parser.parse_args()
