@@ -345,6 +345,45 @@ def test_a_nan_in_a_model_compiled_in_place_is_replayed_and_uninstall_gives_torc
     assert g is not None and vars(model)["_compiled_call_impl"] is compiled.compiled
 
 
+class OutOfMemory(Exception):
+    """Stands in for torch.OutOfMemoryError."""
+
+
+class RaisingTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        raise OutOfMemory("the teacher does not fit")
+
+
+def test_a_teacher_compiled_in_place_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded():
+    """A call that raised made nothing, as torch's always-call hooks tell the uncompiled call's end: the loss code
+    it interrupted goes on being recorded. Unseen, the loss code after it went unrecorded and a NaN there had no
+    origin."""
+    torch.manual_seed(1)
+    student = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LogSoftmax(-1))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with ampguard.guard():
+        teacher = RaisingTeacher()
+        teacher.compile(backend="eager")
+        log_p = student(torch.randn(4, 8))
+        with torch.no_grad():
+            try:
+                soft = teacher(torch.randn(4, 8))
+            except OutOfMemory:
+                soft = torch.full((4, 4), 0.25)
+        loss = torch.nn.functional.kl_div(log_p, soft, reduction="batchmean") + (log_p - 1).sqrt().mean()  # NAN
+        loss.backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+    err = info.value
+    assert err.op == "Tensor.sqrt", str(err)
+    assert err.origin[-1].lineno == line_of(
+        test_a_teacher_compiled_in_place_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded, "# NAN")
+
+
 def test_a_model_compiled_in_place_before_the_guard_is_not_seen_and_the_message_says_what_works():
     model = SqrtModel()
     model.compile(backend="eager")  # before any guard: nothing of ampguard's saw it

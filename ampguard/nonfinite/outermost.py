@@ -313,8 +313,13 @@ class _CompiledInPlace:
             return compiled(*args, **kwargs)
         try:
             output = compiled(*args, **kwargs)
-        finally:
+        except Exception:
             forget()  # (and the global hook is back)
+            if generation == H.generation:
+                _exit_compiled(module, args, kwargs, None, True)  # it made nothing (as torch's always-call hooks see)
+            raise
+        finally:
+            forget()
         if generation == H.generation:
             _exit_compiled(module, args, kwargs, output)
         return output
@@ -337,6 +342,6 @@ def _enter_compiled(module: Any, frame: Any) -> int | None:
 
 
 @fail_safe("nonfinite")
-def _exit_compiled(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+def _exit_compiled(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
     __tracebackhide__ = True
-    H.exit(module, args, kwargs, output)
+    H.exit(module, args, kwargs, output, raised)
