@@ -271,8 +271,8 @@ def _raised_through(frame: Any) -> bool:
     """Whether this always-call hook runs because the call raised: torch calls it from the ``except`` that ends the
     call's ``_call_impl``, so the exception being handled came out of the call's frame (``frame``: ``_call_impl``'s
     own where it runs the hooks itself, as in torch 2.4; the ``inner()`` it calls, one level in, in 2.6 and later).
-    A call made inside
-    the user's own ``except`` block sees the user's exception, which never passed through this call's frame."""
+    A call made inside the user's own ``except`` block sees the user's exception, which never passed through this
+    call's frame."""
     tb = sys.exc_info()[2]
     return tb is not None and (tb.tb_frame is frame or (tb.tb_next is not None and tb.tb_next.tb_frame is frame))
 
