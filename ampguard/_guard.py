@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 import sys
@@ -404,23 +406,72 @@ def _settle(g: Guard | None, error: bool) -> None:
         sinks.settle(g, error)
 
 
-@contextlib.contextmanager
 def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
           check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
           closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
           devices: str | tuple[str, ...] | None = UNSET, repro_dir: str | None = UNSET,
-          repro_max_mb: float = UNSET, **unknown: Any) -> Iterator[Guard]:
+          repro_max_mb: float = UNSET, **unknown: Any) -> GuardBlock:
     """A block under a guard of its own: fresh counters, these options on top of the outer guard's
     (or of the environment and defaults), and exactly the state from before on exit.
 
     On a normal exit the checks still pending are read (a NaN the block made raises here); if an
-    exception leaves the block, they are dropped and that exception is the one you see.
+    exception leaves the block, they are dropped and that exception is the one you see. As a
+    decorator it guards each call; a generator function is guarded while it runs, to its end.
     """
-    options = _given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
-                      "check_unscaled_after": check_unscaled_after,
-                      "distributed": distributed, "closures": closures, "lint": lint, "nonfinite": nonfinite,
-                      "trace": trace, "devices": devices, "repro_dir": repro_dir,
-                      "repro_max_mb": repro_max_mb}, unknown)
+    return GuardBlock(_given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+                              "check_unscaled_after": check_unscaled_after, "distributed": distributed,
+                              "closures": closures, "lint": lint, "nonfinite": nonfinite, "trace": trace,
+                              "devices": devices, "repro_dir": repro_dir, "repro_max_mb": repro_max_mb}, unknown))
+
+
+class GuardBlock(contextlib.ContextDecorator):
+    """What :func:`guard` returns: a ``with`` block, or a decorator. A plain decorator (ContextDecorator's) would
+    leave a generator function unguarded: its call only makes the generator, and the body runs after the block
+    has ended, so a training loop written as a generator ran without any check and said nothing."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self._options = options
+        self._open: list[Any] = []  # the blocks this object entered and has not left (it may be entered again)
+
+    def _recreate_cm(self) -> GuardBlock:
+        return GuardBlock(self._options)
+
+    def __enter__(self) -> Guard:
+        block = _block(self._options)
+        try:
+            g = block.__enter__()
+        except AmpGuardError as intended:
+            raise intended.with_traceback(None) from None  # the traceback starts here: one frame of ampguard's
+        self._open.append(block)
+        return g
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            return bool(self._open.pop().__exit__(*exc))
+        except AmpGuardError as intended:
+            if intended is exc[1]:
+                raise  # the block's own error, passing through
+            raise intended.with_traceback(None) from None  # the block's exit is the one frame of ampguard's
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"ampguard.guard() cannot decorate the async function {getattr(func, '__qualname__', func)!r}: a "
+                "guard belongs to a thread, and the event loop runs other tasks in it while this one awaits. Use "
+                "`with ampguard.guard():` around the synchronous training code, or ampguard.install().")
+        if inspect.isgeneratorfunction(func):
+            @functools.wraps(func)
+            def guarded(*args: Any, **kwargs: Any) -> Any:
+                with self._recreate_cm():
+                    return (yield from func(*args, **kwargs))
+
+            return guarded
+        return super().__call__(func)
+
+
+@contextlib.contextmanager
+def _block(options: dict[str, Any]) -> Iterator[Guard]:
+    """One guard() block, entered and left once (a GuardBlock makes one per entry)."""
     ident = threading.get_ident()
     g: Guard | None = None
     error = True

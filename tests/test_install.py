@@ -176,6 +176,60 @@ def test_guard_context_restores_the_state_before_entry():
     assert ampguard.active() is outer and outer.options.schedulers is True
 
 
+def _nan_training(steps=3):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        yield ampguard.active()
+        model(torch.randn(2, 3)).log().sum().backward()  # a NaN: log of negatives
+        opt.step()
+        opt.zero_grad()
+
+
+def test_guard_as_a_decorator_guards_each_call_and_is_reusable():
+    @ampguard.guard(max_consecutive_skips=5)
+    def step():
+        g = ampguard.active()
+        assert g is not None and g.options.max_consecutive_skips == 5
+        return g
+
+    first, second = step(), step()
+    assert first is not second  # a fresh block, with fresh counters, per call
+    assert ampguard.active() is None
+
+
+def test_guard_as_a_decorator_guards_a_generator_function_while_it_runs():
+    """ContextDecorator alone ends the block when the call returns the generator: the loop ran unguarded and its
+    NaN went unseen."""
+    seen = []
+    loop = ampguard.guard(max_consecutive_skips=4)(_nan_training)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        for g in loop():
+            seen.append(g)
+            assert ampguard.active() is g  # between yields too: the block lasts until the generator ends
+    assert seen and seen[0] is not None and seen[0].options.max_consecutive_skips == 4
+    assert info.value.op == "Tensor.log"
+    assert ampguard.active() is None
+    healthy = ampguard.guard()(lambda: (yield from range(3)))  # (a lambda with yield is a generator function)
+    assert list(healthy()) == [0, 1, 2] and ampguard.active() is None
+
+
+def test_an_unfinished_guarded_generator_leaves_its_block_when_closed():
+    gen = ampguard.guard()(_nan_training)()
+    assert next(gen) is not None and ampguard.active() is not None
+    gen.close()
+    assert ampguard.active() is None
+
+
+def test_guard_refuses_to_decorate_an_async_function():
+    async def train():
+        return None
+
+    with pytest.raises(TypeError, match=r"cannot decorate the async function .*train.*event loop"):
+        ampguard.guard()(train)
+
+
 def test_import_ampguard_and_install_import_neither_torch_nor_lightning(python):
     proc = python("""
         import sys, ampguard
