@@ -431,7 +431,9 @@ class GuardBlock(contextlib.ContextDecorator):
 
     def __init__(self, options: dict[str, Any]) -> None:
         self._options = options
-        self._open: list[Any] = []  # the blocks this object entered and has not left (it may be entered again)
+        # thread id -> the blocks this object entered there and has not left (it may be entered again, in a thread
+        # or in several: each thread leaves its own)
+        self._open: dict[int, list[Any]] = {}
 
     def _recreate_cm(self) -> GuardBlock:
         return GuardBlock(self._options)
@@ -442,12 +444,17 @@ class GuardBlock(contextlib.ContextDecorator):
             g = block.__enter__()
         except AmpGuardError as intended:
             raise intended.with_traceback(None) from None  # the traceback starts here: one frame of ampguard's
-        self._open.append(block)
+        self._open.setdefault(threading.get_ident(), []).append(block)
         return g
 
     def __exit__(self, *exc: Any) -> bool:
+        ident = threading.get_ident()
+        mine = self._open[ident]
+        block = mine.pop()
+        if not mine:
+            del self._open[ident]
         try:
-            return bool(self._open.pop().__exit__(*exc))
+            return bool(block.__exit__(*exc))
         except AmpGuardError as intended:
             if intended is exc[1]:
                 raise  # the block's own error, passing through

@@ -222,6 +222,31 @@ def test_an_unfinished_guarded_generator_leaves_its_block_when_closed():
     assert ampguard.active() is None
 
 
+def test_one_guard_object_entered_in_two_threads_at_once_gives_each_thread_its_own_block():
+    import threading
+
+    block = ampguard.guard(max_consecutive_skips=9)
+    entered, results = threading.Barrier(2), {}
+
+    def worker(k):
+        with block as g:
+            entered.wait(timeout=30)  # both inside at once; the first to enter leaves first
+            results[k] = ampguard.active() is g and g.options.max_consecutive_skips == 9
+        results[f"{k} after"] = ampguard.active()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {0: True, 1: True, "0 after": None, "1 after": None}
+    with block as outer:
+        with block as inner:
+            assert ampguard.active() is inner is not outer
+        assert ampguard.active() is outer
+    assert ampguard.active() is None
+
+
 def test_guard_refuses_to_decorate_an_async_function():
     async def train():
         return None
