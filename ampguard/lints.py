@@ -4,8 +4,9 @@ Each lint is one ``AmpGuardWarning`` per Guard, attributed to the user's line an
 fix (option ``lint``, default on). Patch targets, each undone by the registry:
 
 - ``GradScaler.scale`` (stacked on the non-finite wrapper): note that this scaler's gradients
-  are scaled in the current iteration, and warn if the latest autocast region entered with grad
-  enabled on the scaler's device since the previous ``scale()`` was bf16. The iteration is
+  are scaled in the current iteration, and warn if every autocast region entered with grad
+  enabled on the scaler's device since the previous ``scale()`` was bf16 (a bf16 region nested in an
+  fp16 one, for one part of the model, still needs the scaler for the rest). The iteration is
   identified by the scaler's ``_per_optimizer_states`` object, which every ``update()``
   replaces, so no wrapper on ``update()`` is needed.
 - ``clip_grad_norm_`` / ``clip_grad_value_`` in ``torch.nn.utils.clip_grad`` and the
@@ -14,8 +15,8 @@ fix (option ``lint``, default on). Patch targets, each undone by the registry:
   record (each one's ``stage`` in ``_per_optimizer_states``), so ``unscale_()`` needs no wrapper:
   it runs inside every ``GradScaler.step()``, and a wrapper cost every step some 6,000
   instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns.
-- ``autocast.__enter__``: remember, per thread, the dtype of the latest enabled autocast
-  region entered with grad enabled, for each device type (evaluation under no_grad is ignored).
+- ``autocast.__enter__``: remember, per thread, the dtypes of the enabled autocast regions
+  entered with grad enabled, for each device type (evaluation under no_grad is ignored).
 - A global optimizer step pre-hook (on only while ``lint`` is): at an optimizer's first step,
   warn when float16 parameters have an ``eps`` that rounds to 0 in float16.
 
@@ -65,8 +66,8 @@ def _state(g: _guard.Guard) -> _State:
 
 class _Autocast(threading.local):
     def __init__(self) -> None:
-        # device type -> (guard, dtype) of the latest autocast region entered with grad enabled
-        # since the previous GradScaler.scale() on this thread
+        # device type -> (guard, dtype, whether all regions had that dtype) of the autocast regions entered with
+        # grad enabled since the previous GradScaler.scale() on this thread
         self.latest: dict[str, Any] = {}
 
 
@@ -92,7 +93,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         if latest:  # each scale() judges the autocast regions since the last one
             _AUTOCAST.latest = {}
             device = getattr(instance, "_device", "cuda")
-            if latest.get(device) == (g, sys.modules["torch"].bfloat16):
+            if latest.get(device) == (g, sys.modules["torch"].bfloat16, True):
                 _warn_once(g, "bf16", (
                     f"ampguard: a GradScaler({device!r}) scales a loss computed under bfloat16 autocast. bfloat16 "
                     "has float32's exponent range, so its gradients do not underflow and loss scaling only adds a "
@@ -167,7 +168,10 @@ def _autocast_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         try:
             # (torch is imported: this is its autocast; sys.modules, not an import statement, at every step)
             if sys.modules["torch"].is_grad_enabled():  # a training forward; evaluation under no_grad says nothing
-                _AUTOCAST.latest[getattr(instance, "device", "cuda")] = (g, getattr(instance, "fast_dtype", None))
+                device, dtype = getattr(instance, "device", "cuda"), getattr(instance, "fast_dtype", None)
+                seen = _AUTOCAST.latest.get(device)
+                alike = seen is None or (seen[0] is g and seen[1] == dtype and seen[2])
+                _AUTOCAST.latest[device] = (g, dtype, alike)
         except Exception as exc:
             internal_failure(FEATURE, exc)
     return out

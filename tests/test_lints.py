@@ -199,6 +199,35 @@ def test_grad_scaler_with_fp16_autocast_or_after_bf16_evaluation_is_silent():
     assert lint_warnings(lambda *a: autocast_iteration(*a, torch.float16), bf16_evaluation_then_fp32_step) == []
 
 
+def test_a_bf16_region_nested_in_an_fp16_forward_does_not_say_drop_the_scaler():
+    """The fp16 region's gradients still need the scaler; judged by the latest region entered alone, the lint told
+    the user to drop it."""
+    def mixed(m, opt, scaler):
+        with torch.autocast("cpu", dtype=torch.float16):
+            h = m(data(0)[0])
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # one part of the model in bf16
+                h = torch.tanh(h.float())
+            loss = h.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    def bf16_twice(m, opt, scaler):  # two bf16 regions and nothing else: still a bf16 loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = m(data(0)[0])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = h.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    assert lint_warnings(mixed, mixed) == []
+    found = lint_warnings(bf16_twice)
+    assert len(found) == 1 and "scales a loss computed under bfloat16 autocast" in str(found[0].message)
+
+
 def test_scheduler_step_before_any_optimizer_step_keeps_pytorchs_one_warning():
     ampguard.install()
     m = model()
