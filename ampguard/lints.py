@@ -10,9 +10,11 @@ fix (option ``lint``, default on). Patch targets, each undone by the registry:
   identified by the scaler's ``_per_optimizer_states`` object, which every ``update()``
   replaces, so no wrapper on ``update()`` is needed.
 - ``clip_grad_norm_`` / ``clip_grad_value_`` in ``torch.nn.utils.clip_grad`` and the
-  ``torch.nn.utils`` re-export: warn when a parameter with a gradient belongs to no unscaled
-  optimizer while a scaler's iteration is open. Which optimizers are unscaled is the scaler's own
-  record (each one's ``stage`` in ``_per_optimizer_states``), so ``unscale_()`` needs no wrapper:
+  ``torch.nn.utils`` re-export: warn when a parameter with a gradient belongs to an optimizer the
+  scaler stepped in an earlier iteration and to none it has unscaled, while its iteration is open
+  (another model's parameters, trained without the scaler, are left alone). Which optimizers are
+  unscaled is the scaler's own record (each one's ``stage`` in ``_per_optimizer_states``), and
+  which it steps the keys of that record in past iterations, so ``unscale_()`` needs no wrapper:
   it runs inside every ``GradScaler.step()``, and a wrapper cost every step some 6,000
   instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns.
 - ``autocast.__enter__``: remember, per thread, the dtypes of the enabled autocast regions
@@ -51,6 +53,9 @@ def eps_rounds_to_zero(eps: Any) -> bool:
 @dataclasses.dataclass
 class _Iteration:
     token: Any = None  # the scaler's _per_optimizer_states when scale() was called
+    # ids of the optimizers this scaler unscaled or stepped in its past iterations (the keys of each token): whose
+    # gradients it scales. Another model's, trained without the scaler in the same iteration, are not its business.
+    optimizers: set = dataclasses.field(default_factory=set)
 
 
 class _State:
@@ -88,7 +93,13 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        _state(g).iterations.of(instance).token = instance._per_optimizer_states
+        iteration = _state(g).iterations.of(instance)
+        states = instance._per_optimizer_states
+        previous = iteration.token
+        if previous is not states:  # a new iteration (update() replaced the dict): learn the last one's optimizers
+            if previous:
+                iteration.optimizers.update(previous)
+            iteration.token = states
         latest = _AUTOCAST.latest
         if latest:  # each scale() judges the autocast regions since the last one
             _AUTOCAST.latest = {}
@@ -131,13 +142,24 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
         unscaled = _unscaled_params(state, scaler)
         if unscaled is None:
             continue  # unscaled before any step of its optimizer: which parameters are its is not known yet
-        if any(p.grad is not None and id(p) not in unscaled for p in params):
+        scaled = _params_of(state, record.optimizers)
+        if any(p.grad is not None and id(p) in scaled and id(p) not in unscaled for p in params):
             _warn_once(g, "clip", (
                 f"ampguard: torch.nn.utils.{name} was called on gradients that a GradScaler has scaled and not yet "
                 f"unscaled in this iteration, so the threshold is compared with gradients multiplied by the loss "
                 f"scale ({scaler.get_scale():g}) and clipping is far too strong, or never happens. Fix: call "
                 "scaler.unscale_(optimizer) right before clipping."))
             return
+
+
+def _params_of(state: _State, optimizers: set) -> set[int]:
+    """The ids of the parameters of the optimizers of these ids that are still alive (each stepped here)."""
+    ids: set[int] = set()
+    for key in optimizers:
+        optimizer = state.stepped.by_id(key)
+        if optimizer is not None:
+            ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
+    return ids
 
 
 def _unscaled_params(state: _State, scaler: Any) -> set[int] | None:

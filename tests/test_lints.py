@@ -74,6 +74,30 @@ def test_clipping_without_a_scaler_or_after_update_is_silent():
     assert lint_warnings(lambda *a: scaled_iteration(*a, unscale=True), unscaled_after_update) == []
 
 
+def test_clipping_a_model_trained_without_the_scaler_in_the_same_iteration_is_silent():
+    """An actor in fp32 with its own optimizer and clipping, a critic under the scaler: the actor's gradients were
+    never scaled, and the lint said to unscale them."""
+    ampguard.install()
+    critic, actor = model(1), model(2)
+    opt_c, opt_a = torch.optim.SGD(critic.parameters(), lr=0.1), torch.optim.SGD(actor.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x = data(i)[0]
+            scaler.scale(critic(x).pow(2).mean()).backward()  # the scaler's iteration is open from here
+            actor(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(actor.parameters(), 0.5)  # never scaled
+            opt_a.step()
+            opt_a.zero_grad()
+            scaler.unscale_(opt_c)
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+            scaler.step(opt_c)
+            scaler.update()
+            opt_c.zero_grad()
+    assert ours(caught) == []
+
+
 def test_two_optimizers_on_one_scaler_clipping_the_one_not_unscaled_warns_at_its_line():
     """A GAN-style pair: the discriminator is unscaled, the generator's gradients are clipped still scaled.
     The scaler's own per-optimizer stage says which is which; the first iteration gives no verdict
@@ -120,11 +144,14 @@ def test_lightning_gradient_clip_val_under_16_mixed_does_not_warn():
     plugin = precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     _, found = fit(L, module_class(L)(), plugins=[plugin], gradient_clip_val=0.5)
     assert found == []
-    # and the lint is live in that process: a hand-written loop without unscale_ warns
+    # and the lint is live in that process: a hand-written loop without unscale_ warns (at its second iteration:
+    # the first tells which optimizers the scaler steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         m = model()
-        scaled_iteration(m, torch.optim.SGD(m.parameters(), lr=0.1), torch.amp.GradScaler("cpu"), unscale=False)
+        opt, scaler = torch.optim.SGD(m.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+        for _ in range(2):
+            scaled_iteration(m, opt, scaler, unscale=False)
     assert len(ours(caught)) == 1
 
 
