@@ -220,6 +220,8 @@ def eps_message(optimizer: Any) -> str:
 
     for group in optimizer.param_groups:
         eps = group.get("eps")
+        if group.get("fused"):
+            continue  # the fused kernels compute in float32 ("opmath"): eps does not round there
         if eps_rounds_to_zero(eps) and any(p.dtype == torch.float16 for p in group["params"]):
             return (f"the parameters are float16 and {type(optimizer).__name__}'s eps={eps:g} rounds to 0 in float16, "
                     "so wherever a second moment is 0 the update divides 0 by 0 and the parameters become NaN. Fix: "

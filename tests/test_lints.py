@@ -186,6 +186,23 @@ def test_a_safe_eps_or_dtype_does_not_warn(eps, dtype):
     assert ours(caught) == []
 
 
+def test_a_fused_adam_on_float16_parameters_does_not_warn_about_eps_and_does_make_no_nan():
+    """The fused kernels compute in float32: Adam's 1e-8 does not round to 0 there, and the lint said the
+    parameters would become NaN."""
+    ampguard.install(nonfinite="off")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Flatten(), torch.nn.Linear(16, 1)).half()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=1e-8, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            m(torch.randint(0, 5, (4, 2))).float().pow(2).mean().backward()  # rows 5-9: second moments of 0
+            opt.step()
+            opt.zero_grad()
+    assert ours(caught) == []
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
 def test_eps_rounding_is_decided_exactly():
     from ampguard.lints import eps_rounds_to_zero
 
