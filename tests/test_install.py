@@ -133,6 +133,10 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
         warnings.simplefilter("always")
         with ampguard.guard(lint=True):
             scaler = torch.amp.GradScaler("cpu")  # (the one above stopped inside update(): mid-iteration)
+            scaler.scale(m(data(0)[0]).pow(2).mean()).backward()  # one iteration: the scaler steps opt
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
             scaler.scale(m(data(0)[0]).pow(2).mean()).backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # still scaled: the lint, now wrapped, warns
     assert [w for w in caught if "was called on gradients that a GradScaler has scaled" in str(w.message)]
