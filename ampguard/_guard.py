@@ -18,7 +18,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from . import _fallback, _options
 from ._errors import AmpGuardError
@@ -406,22 +406,41 @@ def _settle(g: Guard | None, error: bool) -> None:
         sinks.settle(g, error)
 
 
-def guard(*, schedulers: bool = UNSET, max_consecutive_skips: int | None = UNSET,
-          check_unscaled_after: int | None = UNSET, distributed: bool = UNSET,
-          closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET, trace: str = UNSET,
-          devices: str | tuple[str, ...] | None = UNSET, repro_dir: str | None = UNSET,
-          repro_max_mb: float = UNSET, **unknown: Any) -> GuardBlock:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@overload
+def guard(function: _F, /) -> _F: ...
+
+
+@overload
+def guard(function: None = None, /, *, schedulers: bool = ..., max_consecutive_skips: int | None = ...,
+          check_unscaled_after: int | None = ..., distributed: bool = ..., closures: bool = ..., lint: bool = ...,
+          nonfinite: str = ..., trace: str = ..., devices: str | tuple[str, ...] | None = ...,
+          repro_dir: str | None = ..., repro_max_mb: float = ..., **unknown: Any) -> GuardBlock: ...
+
+
+def guard(function: Callable[..., Any] | None = None, /, *, schedulers: bool = UNSET,
+          max_consecutive_skips: int | None = UNSET, check_unscaled_after: int | None = UNSET,
+          distributed: bool = UNSET, closures: bool = UNSET, lint: bool = UNSET, nonfinite: str = UNSET,
+          trace: str = UNSET, devices: str | tuple[str, ...] | None = UNSET, repro_dir: str | None = UNSET,
+          repro_max_mb: float = UNSET, **unknown: Any) -> Any:
     """A block under a guard of its own: fresh counters, these options on top of the outer guard's
     (or of the environment and defaults), and exactly the state from before on exit.
 
     On a normal exit the checks still pending are read (a NaN the block made raises here); if an
     exception leaves the block, they are dropped and that exception is the one you see. As a
-    decorator it guards each call; a generator function is guarded while it runs, to its end.
+    decorator (``@ampguard.guard`` or ``@ampguard.guard(...)``) it guards each call; a generator
+    function is guarded while it runs, to its end.
     """
-    return GuardBlock(_given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
+    if function is not None and not callable(function):
+        raise TypeError(f"ampguard.guard() takes its options as keywords (guard(nonfinite='skip')); it was given "
+                        f"{function!r} as its one positional argument, which only a function to decorate can be")
+    block = GuardBlock(_given({"schedulers": schedulers, "max_consecutive_skips": max_consecutive_skips,
                               "check_unscaled_after": check_unscaled_after, "distributed": distributed,
                               "closures": closures, "lint": lint, "nonfinite": nonfinite, "trace": trace,
                               "devices": devices, "repro_dir": repro_dir, "repro_max_mb": repro_max_mb}, unknown))
+    return block if function is None else block(function)
 
 
 class GuardBlock(contextlib.ContextDecorator):

@@ -251,6 +251,21 @@ def test_one_guard_object_entered_in_two_threads_at_once_gives_each_thread_its_o
     assert ampguard.active() is None
 
 
+def test_guard_decorates_bare_and_refuses_an_option_given_by_position():
+    @ampguard.guard
+    def step():
+        return ampguard.active()
+
+    @ampguard.guard
+    def steps():
+        yield ampguard.active()
+
+    assert step() is not None and [g is not None for g in steps()] == [True]
+    assert ampguard.active() is None
+    with pytest.raises(TypeError, match=r"takes its options as keywords \(guard\(nonfinite='skip'\)\).*'skip'"):
+        ampguard.guard("skip")
+
+
 def test_guard_refuses_to_decorate_an_async_function():
     async def train():
         return None
