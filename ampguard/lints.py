@@ -192,7 +192,7 @@ def _autocast_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             if sys.modules["torch"].is_grad_enabled():  # a training forward; evaluation under no_grad says nothing
                 device, dtype = getattr(instance, "device", "cuda"), getattr(instance, "fast_dtype", None)
                 seen = _AUTOCAST.latest.get(device)
-                alike = seen is None or (seen[0] is g and seen[1] == dtype and seen[2])
+                alike = seen is None or seen[0] is not g or (seen[1] == dtype and seen[2])  # (another guard's: stale)
                 _AUTOCAST.latest[device] = (g, dtype, alike)
         except Exception as exc:
             internal_failure(FEATURE, exc)

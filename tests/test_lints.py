@@ -272,6 +272,17 @@ def test_a_bf16_region_nested_in_an_fp16_forward_does_not_say_drop_the_scaler():
     assert len(found) == 1 and "scales a loss computed under bfloat16 autocast" in str(found[0].message)
 
 
+def test_an_autocast_region_left_by_an_earlier_guard_does_not_hide_the_bf16_lint():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with ampguard.guard(), torch.autocast("cpu", dtype=torch.float16):
+        m(data(0)[0]).sum()  # an fp16 region that no scale() judged, in a block now gone
+    with ampguard.guard(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autocast_iteration(m, opt, torch.amp.GradScaler("cpu"), torch.bfloat16)
+    assert len(ours(caught)) == 1
+
+
 def test_scheduler_step_before_any_optimizer_step_keeps_pytorchs_one_warning():
     ampguard.install()
     m = model()
