@@ -223,7 +223,9 @@ def _make_callback_class() -> type:
 
         A Callback of every installed Lightning namespace, so ``lightning`` and
         ``pytorch_lightning`` Trainers both accept it. If a guard is already installed it is
-        used as it is and left installed at teardown.
+        used and left installed; the callback's options, if any, apply for the stage in a
+        ``guard()`` block on top of it. What it installed or entered ends at teardown, or when
+        the stage raises (Lightning calls ``on_exception`` then, and may not call ``teardown``).
         """
 
         def __init__(self, **options: Any) -> None:
@@ -232,13 +234,37 @@ def _make_callback_class() -> type:
             super().__init__()
             self.options = validate(options)
             self._owns_guard = False
+            self._block: Any = None  # the guard() block entered for the stage, over a guard already installed
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            from . import active, install
+            from . import active, guard, install
 
+            self._release(None)  # (a stage that ended without teardown: nothing of it stays)
             if active() is None:
                 install(**self.options)
                 self._owns_guard = True
+            elif self.options:
+                block = guard(**self.options)
+                block.__enter__()
+                self._block = block
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            self._release(exception)
+
+        def _release(self, exception: BaseException | None) -> None:
+            from . import uninstall
+
+            block, self._block = self._block, None
+            if block is not None:
+                if exception is None:
+                    block.__exit__(None, None, None)
+                else:
+                    block.__exit__(type(exception), exception, exception.__traceback__)  # its checks are dropped
+            if self._owns_guard:
+                self._owns_guard = False
+                if exception is not None:
+                    _guard._settle(_guard.active(), error=True)  # the stage's exception wins over checks queued before
+                uninstall()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             g = _guard.active()
@@ -255,11 +281,7 @@ def _make_callback_class() -> type:
                                logger=bool(getattr(trainer, "loggers", None)))
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            from . import uninstall
-
-            if self._owns_guard:
-                uninstall()
-                self._owns_guard = False
+            self._release(None)
 
     AmpGuardCallback.__module__ = __name__
     return AmpGuardCallback

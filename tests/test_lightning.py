@@ -413,6 +413,76 @@ def test_callback_keeps_an_existing_guard(L):
     assert ampguard.active() is g
 
 
+def _patched_update():
+    from torch.amp.grad_scaler import GradScaler
+
+    return vars(GradScaler)["update"]
+
+
+@pytest.mark.parametrize("failure", ["nan", "user error", "user error over a pending nan"])
+def test_callback_removes_its_guard_when_the_fit_raises_and_the_fits_own_error_wins(L, failure):
+    """Lightning calls on_exception, not always teardown, when a stage raises: the guard the callback installed
+    stayed, and the next fit (a sweep, a notebook cell) ran under it without the callback owning it."""
+    from ampguard.lightning import AmpGuardCallback
+
+    original = _patched_update()
+
+    class Failing(module_class(L)):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + torch.log(-loss.detach().abs() - 1) if "nan" in failure else loss
+
+    class UserError(L.Callback):
+        def on_before_optimizer_step(self, *args):  # after backward(): the step's checks are still pending
+            raise RuntimeError("a user's callback failed")
+
+    model = Failing()
+    callbacks = [AmpGuardCallback()] + ([UserError()] if "user error" in failure else [])
+    expected = ampguard.NonFiniteError if failure == "nan" else RuntimeError
+    with pytest.raises(expected):
+        fit(L, model, callbacks=callbacks)
+    assert ampguard.active() is None and _patched_update() is original
+
+
+def test_callback_lets_a_manual_optimization_error_win_over_the_nan_it_left_pending(L):
+    """manual_backward() of a NaN loss, then the user's own error before the step: removing the guard read the
+    pending NaN and raised it in place of the user's error."""
+    from ampguard.lightning import AmpGuardCallback
+
+    class Manual(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            self.manual_backward(self.layer(batch[0]).log().mean())  # NaN where the output is negative
+            raise RuntimeError("the user's own error, before the step")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        fit(L, Manual(), callbacks=[AmpGuardCallback()])
+    assert ampguard.active() is None
+
+
+def test_callback_options_apply_for_the_fit_over_a_guard_already_installed(L):
+    """Under AMPGUARD=1 (or the script's own install()) the options given to the callback were dropped silently."""
+    from ampguard.lightning import AmpGuardCallback
+
+    g = ampguard.install(max_consecutive_skips=40)
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, *args):
+            seen.append(ampguard.active().options.max_consecutive_skips)
+
+    fit(L, module_class(L)(), callbacks=[AmpGuardCallback(max_consecutive_skips=100), Probe()])
+    assert seen and set(seen) == {100}
+    assert ampguard.active() is g and g.options.max_consecutive_skips == 40
+
+
 def test_callback_rejects_bad_options():
     from ampguard.lightning import AmpGuardCallback
 
