@@ -378,7 +378,8 @@ class Freed(Exception):
     """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
 
     advice = ("ampguard keeps no tensor alive past your last reference, so keep the batch referenced until the "
-              "step to have it replayed")
+              "check (at the optimizer step; for a call under no_grad, such as evaluation or prediction, at the next "
+              "call of the same module) to have it replayed")
 
 
 def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
