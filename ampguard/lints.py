@@ -14,7 +14,8 @@ fix (option ``lint``, default on). Patch targets, each undone by the registry:
   scaler stepped in an earlier iteration and to none it has unscaled, while its iteration is open
   (another model's parameters, trained without the scaler, are left alone). Which optimizers are
   unscaled is the scaler's own record (each one's ``stage`` in ``_per_optimizer_states``), and
-  which it steps the keys of that record in past iterations, so ``unscale_()`` needs no wrapper:
+  which it steps the keys of that record in past iterations, so ``unscale_()`` needs no wrapper
+  (and where every optimizer it steps is unscaled, no parameter is looked at):
   it runs inside every ``GradScaler.step()``, and a wrapper cost every step some 6,000
   instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns.
 - ``autocast.__enter__``: remember, per thread, the dtypes of the enabled autocast regions
@@ -136,14 +137,18 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
     state = _state(g)
     if "clip" in state.warned:
         return
+    ready = sys.modules["torch.amp.grad_scaler"].OptState.READY
     for scaler, record in state.iterations.items():
-        if record.token is not scaler._per_optimizer_states or not scaler._enabled:
+        states = scaler._per_optimizer_states
+        if record.token is not states or not scaler._enabled:
             continue  # no loss scaled by this scaler since its last update()
-        unscaled = _unscaled_params(state, scaler)
-        if unscaled is None:
-            continue  # unscaled before any step of its optimizer: which parameters are its is not known yet
-        scaled = _params_of(state, record.optimizers)
-        if any(p.grad is not None and id(p) in scaled and id(p) not in unscaled for p in params):
+        # The optimizers it steps (learnt from its earlier iterations) not unscaled yet in this one. None in the
+        # usual recipe (unscale_(), then clip): no parameter is looked at. (`in` first: the dict makes missing keys.)
+        still_scaled = [key for key in record.optimizers if key not in states or states[key]["stage"] is ready]
+        if not still_scaled:
+            continue
+        ids = _params_of(state, still_scaled)
+        if any(p.grad is not None and id(p) in ids for p in params):
             _warn_once(g, "clip", (
                 f"ampguard: torch.nn.utils.{name} was called on gradients that a GradScaler has scaled and not yet "
                 f"unscaled in this iteration, so the threshold is compared with gradients multiplied by the loss "
@@ -152,33 +157,15 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
             return
 
 
-def _params_of(state: _State, optimizers: set) -> set[int]:
-    """The ids of the parameters of the optimizers of these ids that are still alive (each stepped here)."""
+def _params_of(state: _State, optimizers: list) -> set[int]:
+    """The ids of the parameters of the optimizers of these ids that are still alive. GradScaler keys its
+    per-optimizer state by ``id(optimizer)``; the optimizer is found among those that took a step under this guard
+    (the first-step hook records each)."""
     ids: set[int] = set()
     for key in optimizers:
         optimizer = state.stepped.by_id(key)
         if optimizer is not None:
             ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
-    return ids
-
-
-def _unscaled_params(state: _State, scaler: Any) -> set[int] | None:
-    """The ids of the parameters of the optimizers this scaler unscaled (or stepped) in this iteration.
-
-    GradScaler keys its per-optimizer state by ``id(optimizer)``; the optimizer itself is found among
-    those that took a step under this guard (the first-step hook records each). None when one of them
-    has not stepped yet (its first iteration): no verdict then, and a clip that is wrong every
-    iteration warns at the next one.
-    """
-    ready = sys.modules["torch.amp.grad_scaler"].OptState.READY
-    ids: set[int] = set()
-    for key, per_optimizer in scaler._per_optimizer_states.items():
-        if per_optimizer["stage"] is ready:
-            continue  # not unscaled yet in this iteration
-        optimizer = state.stepped.by_id(key)
-        if optimizer is None:
-            return None
-        ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
     return ids
 
 
