@@ -239,7 +239,6 @@ def _make_callback_class() -> type:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             from . import active, guard, install
 
-            self._release(None)  # (a stage that ended without teardown: nothing of it stays)
             if active() is None:
                 install(**self.options)
                 self._owns_guard = True

@@ -313,17 +313,17 @@ class _CompiledInPlace:
         generation = _enter_compiled(module, frame)
         if generation is None:
             return compiled(*args, **kwargs)
+        output, raised = None, None  # (None after a KeyboardInterrupt, which torch's always-call hooks skip too)
         try:
             output = compiled(*args, **kwargs)
+            raised = False
         except Exception:
-            forget()  # (and the global hook is back)
-            if generation == H.generation:
-                _exit_compiled(module, args, kwargs, None, True)  # it made nothing (as torch's always-call hooks see)
+            raised = True  # it made nothing (as torch's always-call hooks see it)
             raise
         finally:
-            forget()
-        if generation == H.generation:
-            _exit_compiled(module, args, kwargs, output)
+            forget()  # (and the global hook is back)
+            if raised is not None and generation == H.generation:
+                _exit_compiled(module, args, kwargs, output, raised)
         return output
 
 
