@@ -14,6 +14,22 @@ def line_of(func, marker: str) -> int:
     return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
+class OutOfMemory(Exception):
+    """Stands in for torch.OutOfMemoryError, which a CPU cannot be made to raise on demand."""
+
+
+class RaisingTeacher(torch.nn.Module):
+    """A teacher whose every call runs out of memory: the loop catches it and goes on without its targets."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        raise OutOfMemory("the teacher does not fit")
+
+
 class Overflow:
     """Turns a parameter's gradient into inf on chosen iterations, as a real fp16 overflow does."""
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, data, line_of
+from loops import OutOfMemory, Overflow, RaisingTeacher, data, line_of
 
 import ampguard
 from ampguard import nonfinite
@@ -343,19 +343,6 @@ def test_a_nan_in_a_model_compiled_in_place_is_replayed_and_uninstall_gives_torc
     assert torch.equal(model.a.weight, before)
     ampguard.uninstall()
     assert g is not None and vars(model)["_compiled_call_impl"] is compiled.compiled
-
-
-class OutOfMemory(Exception):
-    """Stands in for torch.OutOfMemoryError."""
-
-
-class RaisingTeacher(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        raise OutOfMemory("the teacher does not fit")
 
 
 def test_a_teacher_compiled_in_place_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded():

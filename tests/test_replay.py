@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint
-from loops import line_of
+from loops import OutOfMemory, RaisingTeacher, line_of
 
 import ampguard
 from ampguard import nonfinite
@@ -1246,10 +1246,6 @@ def test_a_teacher_whose_output_is_nan_before_the_loss_is_made_is_the_sink_repor
     assert err.origin[-1].lineno == line_of(NaNTeacher.forward, "TEACHER SQRT"), message
 
 
-class OutOfMemory(Exception):
-    """Stands in for torch.OutOfMemoryError, which a CPU cannot be made to raise on demand."""
-
-
 class Retried(torch.nn.Module):
     """Runs out of memory above four rows, as a model does on a batch too large for the device."""
 
@@ -1310,19 +1306,9 @@ def test_a_nan_in_the_retried_call_is_named_not_the_call_that_raised_replayed():
     assert any(f.lineno == line_of(_retry_on_oom, "RETRY CALL") for f in err.origin), message
 
 
-class FlakyTeacher(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.lin = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        raise OutOfMemory("the teacher does not fit")
-
-
 def test_a_teacher_call_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded():
     torch.manual_seed(1)
-    student, teacher = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LogSoftmax(-1)), FlakyTeacher()
+    student, teacher = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LogSoftmax(-1)), RaisingTeacher()
     opt = torch.optim.SGD(student.parameters(), lr=0.1)
     x = torch.randn(4, 8)
     with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
