@@ -4,6 +4,7 @@ packing and caches fill one."""
 
 import dataclasses
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -206,3 +207,38 @@ def test_a_nan_in_a_dataclass_output_of_an_evaluation_is_reported():
             ampguard.nonfinite.check()
     assert "output of module 'ReturnsADataclass' (output 'logits')" in str(info.value), str(info.value)
     assert "parameter 'head.bias'" in str(info.value), str(info.value)
+
+
+class RaggedEncoder(nn.Module):
+    """Encodes each sequence of a ragged batch on its own and returns them as one nested tensor, as variable-length
+    encoders do."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, sequences):
+        return torch.nested.nested_tensor([self.proj(s) for s in sequences], layout=self.layout)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_a_nested_tensor_output_is_checked_and_its_origin_named(layout):
+    """torch's norms take no nested tensor: the output's status is its buffer's. Before, the first such output
+    switched the non-finite checks off for the rest of the run (an internal failure), and the replay could not
+    describe a nested tensor (its strided layout has no shape; the jagged one makes meta tensors)."""
+    encoder = RaggedEncoder(layout)
+    batch = [torch.randn(2, 4), torch.randn(3, 4)]
+    with ampguard.guard(), torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ampguard.AmpGuardWarning)
+            for _ in range(3):
+                encoder(batch)
+        encoder.proj.bias[1] = float("nan")
+        encoder(batch)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            encoder(batch)  # (an evaluation's output is read at the module's next call)
+    message = str(info.value)
+    assert "NaN reached the output of module 'RaggedEncoder'" in message, message
+    assert "parameter 'proj.bias'" in message and "could not replay" not in message, message

@@ -100,8 +100,8 @@ class Session:
         torch = sinks._torch
         from torch.utils._pytree import tree_leaves
 
-        outputs = [o for o in tree_leaves(out)
-                   if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
+        outputs = [o for o in tree_leaves(out)  # (not a meta tensor: a nested tensor's jagged layout makes one)
+                   if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()) and not o.is_meta]
         if not outputs:
             return
         inputs, leaves = [], []
@@ -115,7 +115,7 @@ class Session:
                 numbers.append(t)
             elif t is overwritten:
                 continue
-            elif isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            elif isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.is_meta:
                 index = self.producer_of(t)
                 if index is not None:
                     inputs.append(index)
@@ -167,7 +167,7 @@ class Session:
         if found and len(self.alive) < 4096:
             self.alive.append(tensor)
         record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), leaves, found, weakref.ref(tensor),
-                          tuple(tensor.shape), tensor.dtype, constant, numbers)
+                          sinks.shape_of(tensor), tensor.dtype, constant, numbers)
         record.event = self.event
         self.producer[id(tensor)] = (weakref.ref(tensor), len(self.records))
         self.records.append(record)

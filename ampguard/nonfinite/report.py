@@ -74,7 +74,7 @@ def describe_tensor(tensor: Any) -> str:
         t = tensor.detach()
         shard = " in this rank's shard" if type(t).__name__ == "DTensor" else ""  # (stored() reads the local shard)
         sparse, dtype = t.layout is not torch.strided, t.dtype
-        shape, layout = tuple(t.shape), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
+        shape, layout = sinks.shape_of(t), f", {str(t.layout).replace('torch.', '')}" if sparse else ""
         what = ("stored " if sparse else "") + ("real and imaginary part" if t.is_complex() else "element")
         t = sinks.stored(t)  # (a sparse tensor's values: its implicit zeros are finite; a complex one's parts)
         nan = int(torch.isnan(t).sum())

@@ -241,12 +241,22 @@ def stored(tensor: Any) -> Any:
         # FSDP2's sharded parameters and gradients: this rank's shard. Reading the whole would be a collective,
         # which one rank alone (a failure path) must never start: the others would wait for it forever.
         tensor = tensor.to_local()
+    if tensor.is_nested:  # (a nested tensor's buffer, both layouts: a view; torch's norms take no nested tensor)
+        return stored(tensor.values())
     layout = tensor.layout
     if layout is not torch.strided:
         tensor = tensor._values() if layout is torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
     if tensor.is_complex():
         return torch.view_as_real(tensor.conj() if tensor.is_conj() else tensor)  # (a view: no copy)
     return tensor
+
+
+def shape_of(tensor: Any) -> tuple:
+    """``tensor``'s shape for a message. A nested tensor of the strided layout has none (its ``shape`` raises): the
+    number of its tensors, then ``"ragged"``; the jagged layout's shape names its ragged dimension (``j1``)."""
+    if tensor.is_nested and tensor.layout is _torch.strided:
+        return (tensor.size(0), "ragged")
+    return tuple(tensor.shape)
 
 
 def norm(tensor: Any) -> Any:
