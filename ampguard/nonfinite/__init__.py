@@ -47,6 +47,7 @@ def _switch_hooks() -> Any:
     sinks._graph_task_id = torch._C._current_graph_task_id
     sinks._any_autocast = torch._C._is_any_autocast_enabled
     sinks._autocast_devices = sinks.known_autocast_devices()
+    sinks._FLOAT8 = sinks.float8_dtypes(torch)
     handles: list = []
     modules_off: Any = None
     ignore: Any = None

@@ -248,7 +248,19 @@ def stored(tensor: Any) -> Any:
         tensor = tensor._values() if layout is torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
     if tensor.is_complex():
         return torch.view_as_real(tensor.conj() if tensor.is_conj() else tensor)  # (a view: no copy)
+    if tensor.dtype in _FLOAT8:
+        return tensor.to(torch.bfloat16)  # (a copy: bfloat16 holds every float8 value, NaN and Inf included)
     return tensor
+
+
+def float8_dtypes(torch: Any) -> frozenset:
+    """The float8 dtypes of this torch build: its norms and isfinite take none of them (an fp8 KV cache, a quantized
+    activation)."""
+    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
+
+
+_FLOAT8: frozenset = frozenset()  # bound with _torch
 
 
 def shape_of(tensor: Any) -> tuple:
