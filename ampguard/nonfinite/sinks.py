@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,7 +47,7 @@ from typing import Any
 from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
-from .._frames import first_user, first_user_past
+from .._frames import first_user, first_user_past, warn_at_user
 from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
 from . import outermost
@@ -245,6 +246,8 @@ def stored(tensor: Any) -> Any:
         return stored(tensor.values())
     layout = tensor.layout
     if layout is not torch.strided:
+        if layout is torch._mkldnn:  # (a oneDNN tensor, of a model converted for CPU inference: a dense copy)
+            return stored(tensor.to_dense())
         tensor = tensor._values() if layout is torch.sparse_coo else tensor.values()  # (CSR, CSC, BSR, BSC)
     if tensor.is_complex():
         return torch.view_as_real(tensor.conj() if tensor.is_conj() else tensor)  # (a view: no copy)
@@ -299,6 +302,28 @@ def finite(tensor: Any) -> bool:
     """The exact answer, for the failure path only (reads the device)."""
     with _torch._C.DisableTorchFunction():
         return bool(_torch.isfinite(stored(tensor.detach())).all())
+
+
+_readable: dict[type, str | None] = {}  # tensor subclass -> None if a sink can take its status, else why not
+
+
+def unreadable(tensor: Any) -> str | None:
+    """Why a sink cannot take the status of ``tensor``, or None if it can. A plain tensor always can (:func:`stored`
+    takes each layout). A tensor subclass can if torch's norm takes it, tried once per class: a ``MaskedTensor``
+    answers NotImplemented. An output that cannot be read is not a sink, with one warning per class; before, it
+    switched the non-finite checks off for the whole run."""
+    cls = type(tensor)
+    if cls is _Tensor:
+        return None
+    if cls not in _readable:
+        try:
+            with _torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the class's own "not implemented" warning: ampguard's probe)
+                norm(tensor)
+            _readable[cls] = None
+        except Exception as exc:
+            _readable[cls] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0].rstrip(':')}"
+    return _readable[cls]
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -741,6 +766,12 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         return
     leaves = output_leaves(output)
     outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
+    skipped = None
+    for o, _ in outputs:
+        if type(o) is not _Tensor and unreadable(o) is not None:
+            skipped = [x for x in outputs if type(x[0]) is not _Tensor and unreadable(x[0]) is not None]
+            outputs = [x for x in outputs if type(x[0]) is _Tensor or unreadable(x[0]) is None]
+            break
     training = entry[2] and not entry[3]
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
@@ -770,6 +801,21 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
         end_tape(t)
+    if skipped:
+        _warn_unreadable(g, module, skipped)
+
+
+def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
+    """Once per tensor class and guard: outputs of this class are not checked (the loss and gradients still are)."""
+    warned = g.feature_state("nonfinite_unreadable", set)
+    for o, _ in skipped:
+        cls = type(o)
+        if cls in warned:
+            continue
+        warned.add(cls)
+        warn_at_user(f"ampguard: an output of {type(module).__name__} is a {cls.__module__}.{cls.__qualname__}, "
+                     f"whose status torch cannot compute ({_readable[cls]}): outputs of that class are not checked "
+                     "for NaN. A loss computed from them and the gradients still are.")
 
 
 def roots(g: _guard.Guard) -> dict:
