@@ -46,7 +46,8 @@ def test_attention_logits_overflowing_in_fp16_are_named_not_the_mask(finite_mask
     assert err.op == "aten.baddbmm" and err.module == "attn"
     message = str(err)
     assert "created by aten.baddbmm inside torch.nn.functional.multi_head_attention_forward" in message
-    assert "It became NaN in aten._softmax" in message
+    assert "It became NaN in aten._softmax inside torch.nn.functional.multi_head_attention_forward in module " \
+        "'attn' at" in message  # (the module of the op where it became NaN, as the origin's)
     assert "entered already non-finite" not in message and "buffer 'causal_mask'" not in message
     assert err.origin[-1].lineno == line_of(CausalBlock.forward, "ATTN LINE")
 

@@ -243,10 +243,12 @@ def _written_inputs(session: replay.Session, reproduced: bool) -> list[str]:
     return lines
 
 
-def _became(rec: replay.OpRecord) -> str:
-    """The line for the op where the value changed kind (-Inf became NaN)."""
+def _became(g: _guard.Guard, window: list, rec: replay.OpRecord) -> str:
+    """The line for the op where the value changed kind (-Inf became NaN), with its module as the origin's."""
     own, _, _ = report.sites(rec.frames, rec.fn)
-    return f"  It became {report.kinds_words(rec.kinds)} in {_label(rec)[0]} at\n    {report.where(own)}"
+    module = _module_path(g, window, rec.root, rec.module)
+    in_module = f" in module '{module}'" if module else ""
+    return f"  It became {report.kinds_words(rec.kinds)} in {_label(rec)[0]}{in_module} at\n    {report.where(own)}"
 
 
 def _roots(g: _guard.Guard, window: list) -> list:
@@ -311,7 +313,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {rec.shape}, {rec.dtype}")
     if result["transition"] is not None:
-        lines.append(_became(records[result["transition"]]))
+        lines.append(_became(g, window, records[result["transition"]]))
     masks = result["masks"]
     if masks:
         mask_names = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else
@@ -492,7 +494,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} (inputs finite){in_module} at"
                  f"\n    {report.where(own)}{called}"]
     if walked["transition"] is not None:
-        lines.append(_became(session.records[walked["transition"]]))
+        lines.append(_became(g, window, session.records[walked["transition"]]))
     if entered is not None:
         why = "an op that saturates (tanh, a clamp) or a mask kept that value from the loss, so it stayed finite"
         keep = "Keep the input finite where it comes from: saturating it hides it from the loss, not from the backward"
