@@ -664,3 +664,58 @@ def test_torch_func_ensembles_and_per_sample_gradients_run_as_without_ampguard()
     assert guarded[:3] == plain[:3] and torch.equal(guarded[3], plain[3])
     ampguard.uninstall()  # reads what is pending: nothing batched is left to read
     assert "nonfinite" not in g._disabled
+
+
+class SqrtHead(torch.nn.Module):
+    """sqrt of a squared error: its gradient is infinite where the error is exactly 0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.body(x).squeeze(-1)
+
+
+def test_a_nan_made_under_a_torch_func_transform_says_so_instead_of_blaming_compile():
+    """An ensemble's loss under vmap, then per-sample gradients under vmap(grad): the calls are batched, so no origin
+    is known, and the message says why. It blamed torch.compile (torch.func imports dynamo), and for the gradients
+    it said "the loss was finite: the backward pass made it" of a loss it never saw."""
+    import copy
+
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    models = [SqrtHead() for _ in range(3)]
+    for m in models:
+        with torch.no_grad():
+            m.body[2].bias.fill_(float("-inf"))  # every output -inf
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(5, 4)
+    with ampguard.guard():
+        out = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            out.exp().sum().log().backward()  # (log of 0: the loss is -inf)
+            torch.optim.SGD(params.values(), lr=0.1).step()
+    message = str(info.value)
+    assert "under a torch.func transform" in message and "torch.compile'd" not in message, message
+
+    model = SqrtHead()
+    detached = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(6, 4)
+    y = model(x).detach()
+    y[1:] += 1.0  # sample 0's error is exactly 0: sqrt's gradient there is infinite
+
+    def loss(p, xi, yi):
+        return (functional_call(model, p, (xi,)) - yi).pow(2).sqrt()
+
+    with ampguard.guard():
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))(detached, x, y)
+        for name, p in model.named_parameters():
+            p.grad = grads[name].mean(0)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+    message = str(info.value)
+    assert "NaN in the gradient" in message and "under a torch.func transform" in message, message
+    assert "The loss was finite" not in message, message

@@ -46,13 +46,14 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     """Count, explain and raise (or warn once per sink and module) for the failed sink ``p``."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g.stats.nonfinite_detected += 1
-    window, losses = T.window, T.losses
+    window, losses, transformed = T.window, T.losses, T.transformed
     T.pending = [q for q in T.pending if q.guard is not g]
     sinks._clear_window()
     module = p.call.module if p.call is not None else None
     if not _first_time(g, (p.sink, type(module) if module is not None else None)):
         return  # warn mode replays once per sink and module
     T.repro_origin = None
+    T.transformed = transformed  # (the window's, for the message, while it is built)
     try:
         error = sinks.outside_compile(build)(g, p, window, losses)
     except (AmpGuardError, AmpGuardWarning):
@@ -61,6 +62,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
         log.error("ampguard: the replay of a non-finite %s failed", p.sink, exc_info=exc)
         error = _plain(p, [f"  (ampguard could not replay it: {type(exc).__name__}: {exc}; see the 'ampguard' "
                            "log. What the sinks know follows.)"])
+    finally:
+        T.transformed = False
     if T.late and p.call is None and p.params is None:  # a loss whose backward() no optimizer step followed
         error.add_line(_LATE)
     if g.options.repro_dir is not None:
@@ -145,7 +148,9 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
                               "run the step uncompiled, to have the op named."])
         lines = ["  No origin is known: the loss was not computed from a module call ampguard saw (it checks the "
                  "outermost module calls and the loss code that follows them)."]
-        if "torch._dynamo" in sys.modules:  # (torch.compile was used in this process)
+        if sinks.T.transformed:
+            lines.append(_TRANSFORMED)
+        elif "torch._dynamo" in sys.modules:  # (torch.compile was used in this process)
             lines.append("  Module calls inside a torch.compile'd function are not seen, nor are the calls of a model "
                          "compiled in place (model.compile()) before ampguard was installed: its whole call runs "
                          "compiled, hooks included. Compile the model once ampguard is installed, or as "
@@ -378,6 +383,12 @@ def _first_bad(params: list, grads: bool) -> Any:
     return None, None
 
 
+_TRANSFORMED = ("  A module was called under a torch.func transform (vmap, grad, jacrev: an ensemble of stacked "
+                "models, per-sample gradients) since the last check: ampguard neither sees nor replays such calls, "
+                "whose tensors are batched. Call the model once outside the transform on the same input (one "
+                "member's parameters, one sample) to have the op named.")
+
+
 def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
     names = _names(g, window)
     param, grad = _first_bad(p.params, grads=True)
@@ -394,6 +405,8 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
         lines.append("  No origin is known (trace='off').")
     elif not any(type(c) is Call and c.grad for c in window):
         lines.append("  No origin is known: no module call with gradients was seen since the last check.")
+        if T.transformed:
+            lines.append(_TRANSFORMED)
     else:
         op, module, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
@@ -403,8 +416,9 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
-    elif _BACKWARD_NOT_REPRODUCED in more or _forward_made(more):
-        pass  # the replayed backward stayed finite, or the forward made it: "the backward pass made it" would be false
+    elif _BACKWARD_NOT_REPRODUCED in more or _forward_made(more) or (T.transformed and not losses):
+        pass  # the replayed backward stayed finite, the forward made it, or no loss was seen (a torch.func.grad's):
+        # "the loss was finite: the backward pass made it" would be false
     else:
         lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
                      "or pow at 0, log near 0, division by a small value, the torch.where trick).")

@@ -198,6 +198,7 @@ class _Thread:
         self.resume_tape = False  # a call under no_grad (a teacher) paused the loss code's record
         self.last_shown = id(None)  # id of the exception an interactive shell showed last (sys.last_value)
         self.fetching = 0  # >0 while a DataLoader without workers fetches a batch here (_dataset_fetch)
+        self.transformed = False  # a module was called under a torch.func transform since the last read (unseen)
         self.steps = 0  # optimizer steps taken in this thread, to tell a replay that parameters moved
         self.stepped: ObjectState[bool] = ObjectState(lambda _: True)  # the optimizers that stepped here
         self.replaying = 0  # >0 while a replay runs: the normal path stands aside
@@ -608,6 +609,8 @@ def enter(module: Any, frame: Any) -> int:
         # inside a compiled graph, a replay, or a torch.func transform (an ensemble under vmap, per-sample
         # gradients): its tensors are batched or traced, and a status of them cannot be read outside it. Under
         # torch.jit.trace, what ampguard does with the call's tensors would change the graph (its value names)
+        if not t.replaying and not _is_compiling() and _transformed():
+            t.transformed = True  # (a failure's message says why no call is known)
         return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
     if g is None or _graph_task_id() != -1 or _in_worker() or t.fetching:
@@ -1579,6 +1582,7 @@ def _clear_window() -> None:
     t.backward_since_read = False
     t.released = 0
     t.scaled = {}
+    t.transformed = False
 
 
 _sync.participate(FEATURE, _collect, _consume)
