@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import Any
 
 USAGE = """\
 usage: python -m ampguard [python flags: -u -W arg -X arg -O -B ...] script.py [args ...]
@@ -220,11 +221,29 @@ def _quiet_broken_pipe() -> None:
         pass
 
 
+def _program_traceback(tb: Any) -> Any:
+    """``tb`` from the program's own first frame on: the launcher's frames (this module's, runpy's) are not the
+    program's, and ``python script.py`` shows none of them."""
+    launcher = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
+            or os.path.abspath(tb.tb_frame.f_code.co_filename) in launcher):
+        tb = tb.tb_next
+    return tb
+
+
 if __name__ == "__main__":
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         _quiet_broken_pipe()
+        code = 1
+    except Exception as exc:
+        # The program's uncaught error, shown as python shows it (through sys.excepthook, which the program may
+        # have set), with exit code 1. KeyboardInterrupt and SystemExit go on as they are: python's own handling
+        # gives the interrupted exit status.
+        tb = _program_traceback(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # (python's own hook prints the error's own)
         code = 1
     sys.exit(code)

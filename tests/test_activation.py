@@ -144,6 +144,24 @@ def test_python_m_ampguard_takes_dash_c_version_and_a_missing_module_as_python_d
     assert proc.returncode == 1 and proc.stderr.strip() == "ampguard: no module named 'no_such_mod'"
 
 
+def test_python_m_ampguard_shows_an_uncaught_error_as_python_does(python, tmp_path):
+    """The traceback starts at the program's own frame, as ``python script.py`` shows it: no frame of the launcher
+    (ampguard's __main__, runpy), which only pushed the program's frames down. Exit code 1; a hook the program set
+    in sys.excepthook prints it."""
+    (tmp_path / "fails.py").write_text("def load():\n    raise ValueError('no such shard')\n\nload()\n")
+    plain = python(None, "fails.py", cwd=tmp_path)
+    for argv in (["fails.py"], ["-m", "fails"], ["-c", "import fails"]):
+        proc = python(None, "-m", "ampguard", *argv, cwd=tmp_path, env={"AMPGUARD_REPORT": "0"})
+        assert proc.returncode == 1, proc.stderr
+        assert "ValueError: no such shard" in proc.stderr and 'fails.py", line 2, in load' in proc.stderr
+        assert "__main__.py" not in proc.stderr and "runpy" not in proc.stderr, proc.stderr
+    proc = python(None, "-m", "ampguard", "fails.py", cwd=tmp_path, env={"AMPGUARD_REPORT": "0"})
+    assert proc.stderr == plain.stderr
+    proc = python(None, "-m", "ampguard", "-c", "import sys\nsys.excepthook = lambda t, e, tb: print('hook:', e)\n"
+                  "raise RuntimeError('late')", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout.strip() == "hook: late", proc.stdout + proc.stderr
+
+
 def test_python_m_ampguard_with_an_invalid_value_exits_2_without_running(python, tmp_path):
     path = tmp_path / "ran.py"
     path.write_text("print('the program ran')\n")
