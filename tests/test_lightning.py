@@ -746,3 +746,44 @@ def test_after_the_lr_finder_the_checks_are_back_for_the_run(L):
     with pytest.raises(ampguard.NonFiniteError) as info:
         lr_find_run(L, guarded=True, nan_after=True)
     assert info.value.op == "Tensor.log" and info.value.sink == "loss", str(info.value)
+
+
+def test_a_metric_that_is_nan_by_design_is_logged_as_without_ampguard(L):
+    """torchmetrics' Pearson correlation of constant predictions (a zero-initialised regression head, the first
+    steps) is NaN, with torchmetrics' own warning. A metric's call measures and is no sink: the fit trains and logs
+    exactly as without ampguard. It raised NonFiniteError at the first step."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Regressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            torch.nn.init.zeros_(self.body[2].weight)  # predictions all 0 at the first step
+            torch.nn.init.zeros_(self.body[2].bias)
+            self.pearson = torchmetrics.PearsonCorrCoef()
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            pred = self.body(x).squeeze(-1)
+            r = self.pearson(pred, x.sum(-1))  # the metric between the model's call and the loss
+            self.seen.append(r.item())
+            self.log("pearson", r)
+            return (pred - x.sum(-1)).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def run():
+        model = Regressor()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*variance of predictions or target is close to zero")
+            fit(L, model)
+        return model.seen, [p.detach().clone() for p in model.parameters()]
+
+    plain = run()
+    with ampguard.guard():
+        guarded = run()
+    assert math.isnan(plain[0][0]) and math.isnan(guarded[0][0])
+    assert plain[0][1:] == guarded[0][1:] and all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1], strict=True))

@@ -719,3 +719,73 @@ def test_a_nan_made_under_a_torch_func_transform_says_so_instead_of_blaming_comp
     message = str(info.value)
     assert "NaN in the gradient" in message and "under a torch.func transform" in message, message
     assert "The loss was finite" not in message, message
+
+
+class FeatureDistance:
+    """A torchmetrics metric with a network inside (as FID's Inception, LPIPS's net): the mean log-distance of
+    features, -inf by design for identical inputs."""
+
+    @staticmethod
+    def make(torchmetrics):
+        class Metric(torchmetrics.Metric):
+            def __init__(self):
+                super().__init__()
+                self.features = torch.nn.Linear(4, 4)
+                self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+            def update(self, a, b):
+                with torch.no_grad():
+                    self.total += torch.log((self.features(a) - self.features(b)).abs()).mean()
+
+            def compute(self):
+                return self.total
+
+        return Metric()
+
+
+def test_a_torchmetrics_metric_is_no_sink_and_its_calls_are_not_the_models():
+    """A metric's call measures: its value is no sink (a Pearson correlation of constant predictions is NaN by design;
+    a feature distance of identical inputs -inf), module calls inside it are the metric's, and its torch calls are
+    no loss code. A real NaN is still named, and the replay leaves the metric's state as the run left it."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    def run(poison, keep=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        torch.nn.init.zeros_(model[2].weight)  # predictions all 0 at the first step
+        torch.nn.init.zeros_(model[2].bias)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        pearson, distance = torchmetrics.PearsonCorrCoef(), FeatureDistance.make(torchmetrics)
+        if keep is not None:
+            keep.append(pearson)
+        x = torch.randn(16, 4)
+        seen = []
+        for step in range(3):
+            pred = model(x).squeeze(-1)
+            seen.append(pearson(pred.detach(), x.sum(-1)).item())  # in the loss code, between the call and the loss
+            seen.append(distance(x, x).item())
+            loss = (pred - x.sum(-1)).pow(2).mean()
+            if poison and step == 2:
+                loss = loss * torch.log(pred.detach().abs().sum() * 0)  # log(0): -inf into the loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return seen, [p.detach().clone() for p in model.parameters()], pearson
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*variance of predictions or target is close to zero")
+        plain = run(False)
+        with ampguard.guard():
+            guarded = run(False)
+        assert [repr(v) for v in plain[0]] == [repr(v) for v in guarded[0]]  # (NaN and -inf included)
+        assert math.isnan(plain[0][0]) and plain[0][1] == -math.inf
+        assert all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1], strict=True))
+
+        after_plain = run(True)[2].compute()
+        kept: list = []
+        with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+            run(True, kept)
+    message = str(info.value)
+    assert info.value.sink == "loss" and "created by torch.log" in message, message
+    assert "PearsonCorrCoef" not in message and "Metric" not in message, message
+    assert torch.equal(kept[0].compute(), after_plain)  # the replay did not feed the batch to the metric again
