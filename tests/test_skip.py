@@ -9,6 +9,7 @@ from test_distributed import run_ranks
 from test_replay import SqrtAtZero, line_of
 
 import ampguard
+from ampguard import _sync
 
 
 def make(seed=0):
@@ -227,3 +228,58 @@ def test_a_nan_found_at_guard_exit_does_not_skip_a_later_step():
     with ampguard.guard(nonfinite="skip") as g:
         train(batches(1), (model, opt, sched))
     assert g.stats.nonfinite_steps_skipped == 0 and g.stats.optimizer_steps_applied == 1
+
+
+def train_skipping_itself(data, set_to_none):
+    """fairseq's recipe: backward, clip; a batch whose total norm is non-finite is skipped by the loop itself."""
+    model, opt, sched = make()
+    skipped = 0
+    for x, y in data:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not torch.isfinite(norm):
+            opt.zero_grad(set_to_none=set_to_none)
+            skipped += 1
+            continue
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return (model, opt, sched), skipped
+
+
+@pytest.mark.parametrize(("set_to_none", "reads"), [(True, "host"), (False, "host"), (True, "device")],
+                         ids=["grads None", "grads zeroed", "grads None, device reads"])
+def test_a_batch_the_loop_skipped_itself_does_not_cost_the_next_batch_its_step(set_to_none, reads, monkeypatch):
+    """The loop cleared the bad batch's gradients and went on: the check is read at the next batch's call, and
+    no gradient of the bad batch is left. Skip mode skipped the next, clean batch's step. On a device the next
+    call was taken for the next micro-batch of an accumulated step (no read), unless the gradients are None."""
+    monkeypatch.setattr(_sync, "HOST_READS", reads == "host")  # "device": each read is a sync, as on a GPU
+    data = batches()
+    data[2][1][0, 0] = float("nan")  # a bad target: the loss is NaN, the model's buffers are not
+    plain, plain_skipped = train_skipping_itself(data, set_to_none)
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("always")
+        guarded, guarded_skipped = train_skipping_itself(data, set_to_none)
+    assert plain_skipped == guarded_skipped == 1
+    identical(guarded, plain)
+    assert g.stats.nonfinite_steps_skipped == 0 and g.stats.optimizer_steps_applied == 5
+    found = ours(caught)
+    assert len(found) == 1 and "no step took what it made, so none is skipped" in found[0], found
+    assert "the optimizer step this reached is skipped" not in found[0]
+
+
+@pytest.mark.parametrize("reads", ["host", "device"])
+def test_a_nan_micro_batch_of_an_accumulated_step_still_skips_that_step(reads, monkeypatch):
+    """Gradient accumulation keeps the bad micro-batch's gradients for the step: that step is skipped."""
+    monkeypatch.setattr(_sync, "HOST_READS", reads == "host")
+    model, opt, _ = make()
+    data = corrupt(batches(4), 1)
+    with warnings.catch_warnings(), ampguard.guard(nonfinite="skip") as g:
+        warnings.simplefilter("ignore")
+        for i in range(0, 4, 2):
+            for x, y in data[i:i + 2]:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert g.stats.nonfinite_steps_skipped == 1 and g.stats.optimizer_steps_applied == 1
+    assert torch.isfinite(model[0].weight).all()

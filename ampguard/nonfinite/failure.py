@@ -25,6 +25,9 @@ _LATE = ("  Read at this module call: no optimizer step came between that loss's
          "(gradient accumulation, or a loop that skipped the step), so its check was read here, and the origin above "
          "is the previous batch's. If your loop skips non-finite batches itself, nonfinite='skip' does that for you: "
          "ampguard skips the step and the run goes on.")
+_LATE_CLEARED = ("  Read at this module call: no optimizer step came between that loss's backward() and this forward, "
+                 "and no gradient of it is left (your loop skipped that batch itself, with zero_grad()): no step "
+                 "took what it made, so none is skipped.")
 _NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and grad mode, {what} stayed finite: the "
                    "value did not reproduce. Causes: {first}a nondeterministic kernel, state that the first call "
                    "changed (a cache, a counter, an input updated in place), or a transient hardware fault.")
@@ -65,7 +68,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     finally:
         T.transformed = False
     if T.late and p.call is None and p.params is None:  # a loss whose backward() no optimizer step followed
-        error.add_line(_LATE)
+        error.add_line(_LATE_CLEARED if T.cleared else _LATE)
+    T.cleared = False
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)

@@ -208,6 +208,7 @@ class _Thread:
         self.eager_stack: list = []  # modules open during an eager-mode forward, for names
         # nonfinite='skip'
         self.poisoned = False  # a loss or gradient sink failed since the last step: skip the next one
+        self.cleared = False  # skip mode: the failed sink's gradients were cleared by the loop (_gradients_cleared)
         self.elsewhere = False  # ... on another rank only (the all-reduced flag)
         self.agree: Any = None  # torch.distributed while a step's read carries the all-reduced flag (last value)
         self.hidden: list = []  # (optimizer, [(param, grad)]): a skipped step runs without its gradients
@@ -644,7 +645,7 @@ def enter(module: Any, frame: Any) -> int:
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
         if t.backward_since_read and grad and module.training and not _new_batch(t, module, grad) and \
-                _on_a_device(t.pending):
+                _on_a_device(t.pending) and not _gradients_set_to_none(t.window):
             _next_micro_batch(t)  # gradient accumulation on a device: read at the step, one sync for all
         else:
             t.late = True
@@ -1558,13 +1559,45 @@ def _consume(values: list[float]) -> None:
             if p.call is None:  # a loss or gradient sink (added at backward or the step: after the outputs)
                 if not skip:
                     break
-                t.poisoned = True  # skip the step it reaches
+                if t.late and _gradients_cleared(t.window):
+                    t.cleared = True  # the loop skipped that batch itself: no step takes what it made
+                else:
+                    t.poisoned = True  # skip the step it reaches
     if skip and elsewhere and not t.poisoned:
         t.poisoned = t.elsewhere = True  # another rank's loss or gradients: every rank skips together
     if failed is None:
         _clear_window()
         return
     _failure.fail(g, failed)
+
+
+def _gradients_set_to_none(window: list) -> bool:
+    """Whether the loop cleared the gradients (``zero_grad()``, which sets them to None) since the backward() of the
+    window's calls, with no step: it skipped that batch itself, and this is no next micro-batch. The first trained
+    parameter of the window's first call tells: O(1), at a call that follows a backward() without a step."""
+    for call in window:
+        if type(call) is Call:
+            for param in call.module.parameters():
+                if param.requires_grad:
+                    return param.grad is None
+            return False
+    return False
+
+
+def _gradients_cleared(window: list) -> bool:
+    """Whether no gradient is left of the window's calls: the loop that made a non-finite loss skipped that batch
+    itself (``if not torch.isfinite(norm): optimizer.zero_grad(); continue``) before any step took its gradients,
+    and the check is read at the next batch's call. Skip mode must not skip that clean batch's step then; gradient
+    accumulation keeps the gradients, and its step is skipped. The failure path of skip mode only: it reads each
+    gradient left (one zeroed with ``set_to_none=False``)."""
+    for call in window:
+        if type(call) is not Call:
+            continue
+        for param in call.module.parameters():
+            grad = param.grad
+            if grad is not None and bool(stored(grad.detach()).ne(0).any()):
+                return False
+    return True
 
 
 def _made_at(p: Pending) -> float:
