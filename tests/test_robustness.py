@@ -235,19 +235,23 @@ def test_two_thousand_install_uninstall_cycles_do_not_grow():
     hooks, filters, participants = global_hook_counts(), len(warnings.filters), len(_sync._participants)
     objects = len(gc.get_objects())
     tracemalloc.start()
-    before = tracemalloc.take_snapshot()
-    for _ in range(2_000):
-        ampguard.install()
-        ampguard.uninstall()
-    gc.collect()
-    after = tracemalloc.take_snapshot()
+    growths = []
+    for _ in range(2):  # two windows of 1,000 cycles: a leak grows in both, pymalloc's settling in one
+        before = tracemalloc.take_snapshot()
+        for _ in range(1_000):
+            ampguard.install()
+            ampguard.uninstall()
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+        growths.append(sum(s.size_diff for s in after.compare_to(before, "filename")))
+        del before, after
     tracemalloc.stop()
-    growth = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    del before, after
     gc.collect()
     more = len(gc.get_objects()) - objects
-    print(f"2,000 install/uninstall cycles: Python memory grew by {growth} bytes, {more} more gc objects")
-    assert more < 100 and growth < 80 * 1024  # pymalloc moves by ~25 KiB; 40 bytes kept per cycle would be 80
+    print(f"2 x 1,000 install/uninstall cycles: Python memory grew by {growths} bytes, {more} more gc objects")
+    # pymalloc moves by tens of KiB, once (in a suite with Lightning and torchmetrics loaded, up to ~100 in one
+    # window, nothing in the next); 40 bytes kept per cycle would be 40 KiB in each window
+    assert more < 100 and min(growths) < 40 * 1024
     assert REGISTRY._records == {} and len(REGISTRY._import_hooks) < 10
     assert global_hook_counts() == hooks and len(warnings.filters) == filters
     assert len(_sync._participants) == participants

@@ -157,12 +157,13 @@ for _fetcher in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
     REGISTRY.add(Target("torch", f"torch.utils.data._utils.fetch:{_fetcher}", "fetch", sinks._dataset_fetch,
                         "a DataLoader's batch fetched in this process: its transforms' module calls are data "
                         "preparation, not outermost calls", feature=FEATURE))
-_METRIC_METHODS = (("torchmetrics.metric:Metric", "forward"), ("torchmetrics.collections:MetricCollection", "forward"),
-                   ("torchmetrics.metric:Metric", "update"))
-for _owner, _method in _METRIC_METHODS:
-    REGISTRY.add(Target("torchmetrics", _owner, _method, sinks._metric_forward,
+for _owner in ("torchmetrics.metric:Metric", "torchmetrics.collections:MetricCollection"):
+    REGISTRY.add(Target("torchmetrics", _owner, "forward", sinks._metric_forward,
                         "a metric measures: its call is no outermost call and no sink, its torch calls no loss code",
                         feature=FEATURE))
+REGISTRY.add(Target("torchmetrics", "torchmetrics.metric:Metric", "_wrap_update", sinks._metric_wrap_update,
+                    "a metric binds update() when it is built: its torch calls are no loss code either",
+                    feature=FEATURE))
 for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", "training_step",
                         sinks._training_step, "end the loss-code record where training_step returns", feature=FEATURE))

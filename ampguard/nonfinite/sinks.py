@@ -36,6 +36,7 @@ to its guard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -1169,6 +1170,20 @@ def _metric_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             g = _guard.current(FEATURE)
             if g is not None:
                 start_tape(g)
+
+
+def _metric_wrap_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """torchmetrics binds a metric's ``update()`` when the metric is built (or unpickled), in a function of its own:
+    ``self.acc.update(preds, y)`` inside the loss code measures as a metric's call does (see _metric_forward). A
+    metric built before the patches applied keeps torchmetrics' function: its update() is recorded as loss code,
+    which costs time and changes nothing else. One patch on Metric, not one on every metric's update()."""
+    update = wrapped(*args, **kwargs)
+
+    @functools.wraps(update)
+    def measured(*a: Any, **k: Any) -> Any:
+        return _metric_forward(update, instance, a, k)
+
+    return measured
 
 
 def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
