@@ -118,6 +118,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._targets: list[Target] = []
+        self._walks: dict[int, list] | None = None  # each base's classes, during one pass that applies targets
         self._records: dict[tuple[int, str], _Record] = {}
         self._bases: list[tuple[Target, type]] = []  # targets applied so far, with their base class
         self._import_hooks: set[str] = set()
@@ -194,9 +195,13 @@ class Registry:
         with self._lock:
             added = features - self._features if self.installed else frozenset()
             self._features = features if self.installed else frozenset()
-            for target in self._targets:
-                if target.feature in added and target.module in sys.modules:
-                    self._apply(target)
+            self._walks = {}
+            try:
+                for target in self._targets:
+                    if target.feature in added and target.module in sys.modules:
+                        self._apply(target)
+            finally:
+                self._walks = None
             self._update_switches()
 
     def _wanted(self, target: Target) -> bool:
@@ -262,19 +267,26 @@ class Registry:
         self._hook_subclassing(base)
         if not any(t is target for t, _ in self._bases):
             self._bases.append((target, base))
-        for cls in _walk(base):
+        walks = self._walks
+        if walks is None:
+            classes: Any = _walk(base)
+        else:  # (several targets on one base in one pass, as torchmetrics' Metric has: one walk of its 250 classes)
+            classes = walks.get(id(base))
+            if classes is None:
+                classes = walks[id(base)] = list(_walk(base))
+        for cls in classes:
             if cls is not base or not target.overrides_only:
                 self._wrap(cls, target)
 
     def _wrap(self, cls: type, target: Target) -> None:
         # Keyed by target too: two features may wrap the same method (GradScaler.scale); the
         # second wraps the first, and uninstall undoes them in reverse order.
+        if target.name not in vars(cls):
+            return  # (most classes of a walked hierarchy: a torchmetrics install walks some 250 metrics)
         key = (id(cls), target.name, id(target))
         record = self._records.get(key)
         if record is not None and record.cls_ref() is cls and _in_chain(vars(cls).get(target.name), record.replacement):
             return  # installing twice wraps once
-        if target.name not in vars(cls):
-            return
         original = vars(cls)[target.name]
         if target.accept is not None:
             reason = target.accept(cls, original)
