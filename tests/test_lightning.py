@@ -787,3 +787,39 @@ def test_a_metric_that_is_nan_by_design_is_logged_as_without_ampguard(L):
         guarded = run()
     assert math.isnan(plain[0][0]) and math.isnan(guarded[0][0])
     assert plain[0][1:] == guarded[0][1:] and all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1], strict=True))
+
+
+def test_a_nan_in_validation_is_named_with_its_batch_freed_and_the_modules_full_path(L):
+    """Lightning's validation loop frees each batch before the next validation_step, where a NaN output under
+    no_grad is read: on the CPU the call holds its batch once its output is known to be NaN, and the replay names
+    the parameter. The module is named by its path in the LightningModule ('net.2'), as the parameter is: a
+    LightningModule with as many parameters as its network named the module from the network ('2')."""
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.net(x).logsumexp(-1).mean()
+
+        def on_validation_start(self):
+            with torch.no_grad():
+                self.net[2].bias[1] = float("nan")  # as a bad checkpoint would
+
+        def validation_step(self, batch, batch_idx):
+            (x,) = batch
+            self.log("val", self.net(x).sum())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        trainer.fit(Classifier(), loader(), loader())
+    message = str(info.value)
+    assert "parameter 'net.2.bias'" in message and "in module 'net.2' at" in message, message
+    assert "was freed before the check" not in message, message

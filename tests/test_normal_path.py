@@ -270,6 +270,36 @@ def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once
     assert "parameter 'head.bias'" in str(info.value)
 
 
+def test_an_evaluation_loop_that_frees_each_batch_gets_the_origin_on_the_cpu(read_path):
+    """An evaluation loop (Lightning's validation and predict loops) frees each batch before the next call, where a
+    NaN output under no_grad is read. On the CPU the status is known at once, so the call with the NaN output
+    holds its batch until that read, and the replay names the origin; on a device the read is a sync that the next
+    call shares, and the batch, held by nobody, is gone: the message says so. A finite output holds nothing."""
+    ampguard.install()
+    model = Net()
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            yield torch.randn(4, 8, generator=g)
+
+    with torch.no_grad():
+        alive = []
+        for x in batches():
+            model(x)
+            alive.append(weakref.ref(x))
+        assert all(ref() is None for ref in alive[:-1])  # a finite output's batch is not held
+        model.head.bias[0] = float("nan")
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            for x in batches():
+                model(x)
+    message = str(info.value)
+    if read_path == "host":
+        assert "parameter 'head.bias'" in message and "was freed before the check" not in message, message
+    else:
+        assert "argument 0 of the call of 'Net' was freed before the check" in message, message
+
+
 def test_a_nan_gradient_under_a_finite_loss_is_caught_by_either_read(read_path):
     g = ampguard.install()
     model = Net()

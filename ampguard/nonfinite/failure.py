@@ -272,7 +272,10 @@ def _module_path(g: _guard.Guard, window: list, root: Any, module: Any) -> str |
     if path is None:
         return None
     root = getattr(root, "_orig_mod", root)  # (a compiled module is the module it compiles, as in module_path)
-    for big in sorted(_roots(g, window), key=lambda m: -sum(1 for _ in m.parameters())):
+    # (the most parameters first; of two with as many, the one with more modules: a LightningModule holds its
+    # network and a metric without parameters)
+    for big in sorted(_roots(g, window), key=lambda m: (-sum(1 for _ in m.parameters()),
+                                                        -sum(1 for _ in m.modules()))):
         big = getattr(big, "_orig_mod", big)
         if big is root:
             break  # (the largest first: nothing larger holds it)

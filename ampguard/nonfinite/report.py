@@ -204,8 +204,9 @@ def tensor_names(roots: list, sites: dict | None = None) -> dict[int, str]:
     such a name says whose it is, by the root's class and, from ``sites`` (id(root) -> (code, offset) of
     the user's line that called it), where it was called.
     """
-    ordered = sorted({id(r): r for r in roots if r is not None}.values(),
-                     key=lambda r: sum(1 for _ in r.parameters()) + sum(1 for _ in r.buffers()))
+    ordered = sorted({id(r): r for r in roots if r is not None}.values(),  # (of two as large, the container last)
+                     key=lambda r: (sum(1 for _ in r.parameters()) + sum(1 for _ in r.buffers()),
+                                    sum(1 for _ in r.modules())))
     names: dict[int, str] = {}
     owner: dict[int, Any] = {}
     for root in ordered:  # largest last: its names win

@@ -804,13 +804,24 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     if training and module.training:
         t.stepping = True
     pending = t.pending
+    keep = False
     for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
         if training and o.requires_grad:
             # A loss usually follows and covers it; if none does, it is read then, if still held.
             pending.append(Pending(g, None, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
-            pending.append(Pending(g, None, True, [], ref, call, key=k, status=norm(o)))
+            status = norm(o)
+            if not keep and not training:
+                value = _sync.host_value(status)  # (on the CPU a read is no sync: known now, raised at the read)
+                keep = value is not None and value != value
+            pending.append(Pending(g, None, True, [], ref, call, key=k, status=status))
+    if keep and index >= 0:
+        # A NaN output on the CPU, known at once: hold this call's data until the read (the next call of the
+        # module), so that the replay can run it. Evaluation loops free each batch before the next call; on a
+        # device the read is that next call's, and the batch, not held, is gone (the message says so).
+        call.args = weak(args, True)
+        call.kwargs = weak(kwargs, True) if kwargs else kwargs
     known_root(g, module)
     if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
