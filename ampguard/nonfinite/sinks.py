@@ -1170,7 +1170,7 @@ def _metric_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     (a replay would add the batch to the metric's state again). It also saves an outermost call's cost per metric
     call, some 40 us on a CPU."""
     t = _here.state
-    pause = t.taping and not t.eager and not t.replaying
+    pause = t.taping and not t.replaying  # (trace='eager' too: a metric's own NaN, by design, is no op to stop at)
     if pause:
         end_tape(t)
     t.measuring += 1
