@@ -173,7 +173,8 @@ class _Doctor:
                     self.problem(f"{label} does not exist in this version; that patch is not applied")
                     continue
                 overrides = [f"{c.__module__}.{c.__qualname__}" for c in _walk(base)
-                             if c is not base and target.name in vars(c)]
+                             if c is not base and target.name in vars(c)
+                             and (target.accept is None or target.accept(c, vars(c)[target.name]) != "")]
             else:
                 overrides = []
             self.say(f"  {label}: {target.why}" + (" (its overrides only)" if target.overrides_only else ""))

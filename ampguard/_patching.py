@@ -81,7 +81,8 @@ class Target:
     name: str  # the method name on the base class and on overriding subclasses
     wrapper: Callable[..., Any]  # wrapt signature: wrapper(wrapped, instance, args, kwargs)
     why: str
-    # accept(cls, original) -> None to wrap, or the reason to leave this class's method untouched
+    # accept(cls, original) -> None to wrap, or the reason to leave this class's method untouched (warned about;
+    # "" leaves it without a word)
     accept: Callable[[type, Any], str | None] | None = None
     # Leave the base class's own method as it is and wrap only the overrides: the base's never needs the wrapper
     overrides_only: bool = False
@@ -291,7 +292,8 @@ class Registry:
         if target.accept is not None:
             reason = target.accept(cls, original)
             if reason is not None:
-                _warn_untouched(cls, target, reason, original)
+                if reason:  # ("": left alone without a word)
+                    _warn_untouched(cls, target, reason, original)
                 return
         # A module's function is traced by torch.compile as the original (a class's method is bound first: dynamo
         # would call the original unbound)

@@ -9,6 +9,7 @@ torch's C++ included.
 
     python benchmarks/bytecodes.py                          # tiny loop: plain, nonfinite='off', default
     python benchmarks/bytecodes.py --workload lightning --top 30
+    python benchmarks/bytecodes.py --workload lightning-log     # training_step logs the loss and the LR
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def count(workload: str, options: dict[str, Any] | None, steps: int) -> Counter:
                     def on_train_batch_end(self, *args: Any) -> None:
                         counter.off()
 
-                overhead.lightning_fit(callbacks=[Probe()])(steps + 10)
+                overhead.lightning_fit(log=workload == "lightning-log", callbacks=[Probe()])(steps + 10)
     finally:
         counter.close()
     return counter
@@ -104,7 +105,7 @@ def _where(code: Any) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("tiny", "lightning", "rollout"), default="tiny")
+    parser.add_argument("--workload", choices=("tiny", "lightning", "lightning-log", "rollout"), default="tiny")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=15, help="ampguard's functions to list per configuration")
     args = parser.parse_args()

@@ -160,7 +160,7 @@ for _fetcher in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
 for _owner in ("torchmetrics.metric:Metric", "torchmetrics.collections:MetricCollection"):
     REGISTRY.add(Target("torchmetrics", _owner, "forward", sinks._metric_forward,
                         "a metric measures: its call is no outermost call and no sink, its torch calls no loss code",
-                        feature=FEATURE))
+                        sinks.lightnings_own_metric, feature=FEATURE))
 REGISTRY.add(Target("torchmetrics", "torchmetrics.metric:Metric", "_wrap_update", sinks._metric_wrap_update,
                     "a metric binds update() when it is built: its torch calls are no loss code either",
                     feature=FEATURE))

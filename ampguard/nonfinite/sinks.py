@@ -1184,12 +1184,21 @@ def _metric_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
                 start_tape(g)
 
 
+def lightnings_own_metric(cls: type, original: Any = None) -> str | None:
+    """"" for Lightning's ``_ResultMetric``: ``self.log()``'s accumulator, already no loss code (_lightning_log) and
+    called by Lightning's logging alone. Left alone: its wrappers would cost some 180 bytecodes a step for two logs.
+    None (wrap it) for every other metric."""
+    return "" if cls.__module__.endswith("trainer.connectors.logger_connector.result") else None
+
+
 def _metric_wrap_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """torchmetrics binds a metric's ``update()`` when the metric is built (or unpickled), in a function of its own:
     ``self.acc.update(preds, y)`` inside the loss code measures as a metric's call does (see _metric_forward). A
     metric built before the patches applied keeps torchmetrics' function: its update() is recorded as loss code,
     which costs time and changes nothing else. One patch on Metric, not one on every metric's update()."""
     update = wrapped(*args, **kwargs)
+    if lightnings_own_metric(type(instance)) is not None:
+        return update
 
     @functools.wraps(update)
     def measured(*a: Any, **k: Any) -> Any:
