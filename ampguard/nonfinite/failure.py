@@ -152,7 +152,7 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
                               "run the step uncompiled, to have the op named."])
         lines = ["  No origin is known: the loss was not computed from a module call ampguard saw (it checks the "
                  "outermost module calls and the loss code that follows them)."]
-        if sinks.T.transformed:
+        if T.transformed:
             lines.append(_TRANSFORMED)
         elif "torch._dynamo" in sys.modules:  # (torch.compile was used in this process)
             lines.append("  Module calls inside a torch.compile'd function are not seen, nor are the calls of a model "

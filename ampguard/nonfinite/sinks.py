@@ -783,9 +783,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
     skipped = None
     for o, _ in outputs:
-        if type(o) is not _Tensor and unreadable(o) is not None:
-            skipped = [x for x in outputs if type(x[0]) is not _Tensor and unreadable(x[0]) is not None]
-            outputs = [x for x in outputs if type(x[0]) is _Tensor or unreadable(x[0]) is None]
+        if type(o) is not _Tensor and unreadable(o) is not None:  # (a subclass whose norm torch does not take)
+            skipped = [x for x in outputs if unreadable(x[0]) is not None]
+            outputs = [x for x in outputs if unreadable(x[0]) is None]
             break
     training = entry[2] and not entry[3]
     window = t.window
@@ -815,7 +815,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             value = _sync.host_value(status)  # (on the CPU a read is no sync: known now, raised at the read)
             if value is not None and value == value:
                 continue  # finite (a NaN-only sink: an Inf status is no failure): nothing left to read
-            keep = keep or (value is not None and not training)
+            keep = keep or (value is not None and not training)  # (a NaN, known now)
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=status))
     if keep and index >= 0:
         # A NaN output on the CPU, known at once: hold this call's data until the read (the next call of the
@@ -1185,9 +1185,9 @@ def _metric_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 def lightnings_own_metric(cls: type, original: Any = None) -> str | None:
-    """"" for Lightning's ``_ResultMetric``: ``self.log()``'s accumulator, already no loss code (_lightning_log) and
-    called by Lightning's logging alone. Left alone: its wrappers would cost some 180 bytecodes a step for two logs.
-    None (wrap it) for every other metric."""
+    """Leave Lightning's ``_ResultMetric`` alone, without a word (a Target's accept: ""), and wrap every other metric
+    (None). It is ``self.log()``'s accumulator, called by Lightning's logging alone and no loss code already
+    (_lightning_log): its wrappers would cost some 180 bytecodes a step for two logs."""
     return "" if cls.__module__.endswith("trainer.connectors.logger_connector.result") else None
 
 
