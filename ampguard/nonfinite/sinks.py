@@ -813,9 +813,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             status = norm(o)
             value = _sync.host_value(status)  # (on the CPU a read is no sync: known now, raised at the read)
-            if value is not None and value == value:
-                continue  # finite (a NaN-only sink: an Inf status is no failure): nothing left to read
-            keep = keep or (value is not None and not training)  # (a NaN, known now)
+            if value is not None and value - value == 0.0:
+                continue  # finite: nothing left to read (an Inf is still judged at the read: the repro command does)
+            keep = keep or (value is not None and value != value and not training)  # (a NaN, known now)
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=status))
     if keep and index >= 0:
         # A NaN output on the CPU, known at once: hold this call's data until the read (the next call of the
