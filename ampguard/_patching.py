@@ -119,7 +119,6 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._targets: list[Target] = []
-        self._walks: dict[int, list] | None = None  # each base's classes, during one pass that applies targets
         self._records: dict[tuple[int, str], _Record] = {}
         self._bases: list[tuple[Target, type]] = []  # targets applied so far, with their base class
         self._import_hooks: set[str] = set()
@@ -196,13 +195,10 @@ class Registry:
         with self._lock:
             added = features - self._features if self.installed else frozenset()
             self._features = features if self.installed else frozenset()
-            self._walks = {}
-            try:
-                for target in self._targets:
-                    if target.feature in added and target.module in sys.modules:
-                        self._apply(target)
-            finally:
-                self._walks = None
+            walks: dict[int, list] = {}
+            for target in self._targets:
+                if target.feature in added and target.module in sys.modules:
+                    self._apply(target, walks)
             self._update_switches()
 
     def _wanted(self, target: Target) -> bool:
@@ -235,9 +231,10 @@ class Registry:
             with self._lock:
                 if not self.installed:
                     return
+                walks: dict[int, list] = {}
                 for target in self._targets:
                     if target.module == module.__name__ and self._wanted(target):
-                        self._apply(target)
+                        self._apply(target, walks)
                 self._update_switches()
         except AmpGuardWarning:
             raise
@@ -258,7 +255,9 @@ class Registry:
             obj = getattr(obj, sys.intern(name))
         return obj
 
-    def _apply(self, target: Target) -> None:
+    def _apply(self, target: Target, walks: dict[int, list] | None = None) -> None:
+        """Wrap ``target`` on its base and every subclass that defines it. ``walks``: each base's classes, kept over
+        one pass that applies several targets (torchmetrics' Metric has two: one walk of its 250 classes)."""
         base = self._resolve(target)
         if base is None:
             return
@@ -268,10 +267,9 @@ class Registry:
         self._hook_subclassing(base)
         if not any(t is target for t, _ in self._bases):
             self._bases.append((target, base))
-        walks = self._walks
         if walks is None:
             classes: Any = _walk(base)
-        else:  # (several targets on one base in one pass, as torchmetrics' Metric has: one walk of its 250 classes)
+        else:
             classes = walks.get(id(base))
             if classes is None:
                 classes = walks[id(base)] = list(_walk(base))

@@ -1150,7 +1150,15 @@ def _lightning_log(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     t = _here.state
     if t.replaying:
         return None  # a replay of training_step logs nothing (self.log returns None)
-    if not t.taping or t.eager:
+    if t.eager:
+        return wrapped(*args, **kwargs)
+    return _off_the_record(t, wrapped, args, kwargs)
+
+
+def _off_the_record(t: _Thread, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a call that is no loss code (``self.log()``, a metric) with the recorder off torch's mode stack, and
+    put it back after, where the loss code was being recorded."""
+    if not t.taping:
         return wrapped(*args, **kwargs)
     end_tape(t)
     try:
@@ -1170,18 +1178,11 @@ def _metric_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     (a replay would add the batch to the metric's state again). It also saves an outermost call's cost per metric
     call, some 40 us on a CPU."""
     t = _here.state
-    pause = t.taping and not t.replaying  # (trace='eager' too: a metric's own NaN, by design, is no op to stop at)
-    if pause:
-        end_tape(t)
     t.measuring += 1
-    try:
-        return wrapped(*args, **kwargs)
+    try:  # (under trace='eager' too: a metric's own NaN, by design, is no op to stop at)
+        return _off_the_record(t, wrapped, args, kwargs)
     finally:
         t.measuring -= 1
-        if pause:
-            g = _guard.current(FEATURE)
-            if g is not None:
-                start_tape(g)
 
 
 def lightnings_own_metric(cls: type, original: Any = None) -> str | None:
