@@ -244,16 +244,23 @@ def test_a_nested_tensor_output_is_checked_and_its_origin_named(layout):
     assert "parameter 'proj.bias'" in message and "could not replay" not in message, message
 
 
-class Float8Cache(nn.Module):
-    """Returns its activation cast to float8, as an fp8 KV cache or a quantized activation is kept."""
+class Projected(nn.Module):
+    """A projection whose output is returned in the form under test."""
 
-    def __init__(self, dtype):
+    def __init__(self, form):
         super().__init__()
-        self.dtype = dtype
+        self.form = form
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x):
-        return self.proj(x).to(self.dtype)
+        return self.form(self.proj(x))
+
+
+class Float8Cache(Projected):
+    """Returns its activation cast to float8, as an fp8 KV cache or a quantized activation is kept."""
+
+    def __init__(self, dtype):
+        super().__init__(lambda h: h.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
@@ -272,13 +279,8 @@ def test_a_float8_output_is_checked_and_its_origin_named(dtype):
     assert "NaN reached the output of module 'Float8Cache'" in message and "parameter 'proj.bias'" in message, message
 
 
-class TwoHeads(nn.Module):
+class TwoHeads(Projected):
     """Returns its activation twice: as a plain tensor, and in the form under test."""
-
-    def __init__(self, form):
-        super().__init__()
-        self.form = form
-        self.proj = nn.Linear(4, 4)
 
     def forward(self, x):
         h = self.proj(x)
