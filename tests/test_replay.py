@@ -65,6 +65,62 @@ def test_a_healthy_masked_attention_trains_without_error():
     assert g.stats.nonfinite_detected == 0
 
 
+class PaddedCausalAttention(torch.nn.Module):
+    """Hand-written attention as GPT-style code has it: a causal mask of -inf built in forward, and padding masked
+    with -inf too (where finfo.min would keep a fully padded sequence finite)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 20)
+
+    def forward(self, ids, attn):
+        t = ids.shape[1]
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        pad = torch.zeros_like(attn).masked_fill(attn == 0, float("-inf"))[:, None, :]
+        mask = causal + pad  # MASK LINE
+        q, k, v = self.qkv(self.emb(ids)).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / 4.0 + mask
+        return self.head(scores.softmax(-1) @ v)  # SOFTMAX LINE
+
+
+def padded_lm_step(model, opt, ids, attn):
+    logits = model(ids, attn)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_a_fully_padded_sequence_is_named_at_the_softmax_not_at_the_causal_mask():
+    """The causal mask's -inf is on purpose, and every step has it; what makes NaN is a row that the masks cover
+    everywhere (a sequence that is all padding). The walk went from the softmax through the masked scores to the
+    causal mask, and named ``torch.full(..., -inf)`` as where the NaN was created."""
+    model = PaddedCausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(3, 6)
+    attn[1, 4:] = 0  # padded at the end: every row keeps an unmasked key
+    with ampguard.guard() as g:
+        assert all(loss == loss for loss in [padded_lm_step(model, opt, ids, attn) for _ in range(2)])
+        assert g.stats.nonfinite_detected == 0
+        attn[2] = 0  # a sequence that is all padding
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            padded_lm_step(model, opt, ids, attn)
+    err = info.value
+    message = str(err)
+    assert err.op == "Tensor.softmax" and err.origin[-1].lineno == line_of(PaddedCausalAttention.forward,
+                                                                            "SOFTMAX LINE"), message
+    assert "It was created by Tensor.softmax (inputs finite but for a mask, output NaN)" in message, message
+    assert "torch.full" not in message and "It became" not in message, message
+    assert "were not counted as a cause: the mask made by Tensor.add at " \
+        f"{__file__}:{line_of(PaddedCausalAttention.forward, 'MASK LINE')}." in message, message
+    assert "has no finite value for a softmax to normalize" in message and "torch.finfo(dtype).min" in message
+
+
 # 2. teacher under no_grad ----------------------------------------------------------------------
 class Student(torch.nn.Module):
     def __init__(self):
@@ -475,7 +531,11 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
         opt.step()
     message = str(info.value)
     assert info.value.sink.startswith("gradient of parameter ") and info.value.module == "attn"
-    assert "The forward made it:" in message and "It became NaN in aten._softmax" in message
+    # The key padding mask's -Inf is all the -Inf the scores hold: the softmax of a fully masked row made the NaN
+    assert "The forward made it: aten._softmax inside torch.nn.functional.multi_head_attention_forward created NaN " \
+        "(inputs finite but for a mask) in module 'attn'" in message, message
+    assert "were not counted as a cause: the mask made by torch.nn.functional.multi_head_attention_forward at " \
+        f"{__file__}:{line_of(PaddedEncoder.forward, 'PADDED ATTENTION')}." in message, message
     assert "the backward of MmBackward0 met it among the values the forward saved" in message
     assert "the backward pass made it" not in message
     assert info.value.origin[-1].line.endswith("# PADDED ATTENTION")
@@ -1085,11 +1145,11 @@ def test_a_masked_assignment_in_the_loss_code_is_replayed_and_a_fully_masked_row
             masked_step(guarded, opt, x, y, mask)
     message = str(info.value)
     assert "did not reproduce" not in message, message
-    assert "It entered already non-finite (-Inf): a constant in your code (a Python number or a tensor literal), " \
-        f"given to Tensor.__setitem__ at\n    {__file__}:{line_of(masked_step, 'MASK LINE')} in masked_step" \
+    # the row the mask covers everywhere is where the NaN is made; the mask is named with its line
+    assert "It was created by aten._log_softmax inside torch.nn.functional.cross_entropy (inputs finite but for a " \
+        f"mask, output NaN, -Inf) at\n    {__file__}:{line_of(masked_step, 'LOSS LINE')} in masked_step" \
         in message, message
-    assert "It became NaN, -Inf in aten._log_softmax inside torch.nn.functional.cross_entropy at\n" \
-        f"    {__file__}:{line_of(masked_step, 'LOSS LINE')} in masked_step" in message, message
+    assert f"the mask made by Tensor.__setitem__ at {__file__}:{line_of(masked_step, 'MASK LINE')}." in message, message
     assert torch.equal(plain.weight, guarded.weight)  # the failed step applied nothing
 
 

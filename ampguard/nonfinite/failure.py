@@ -308,13 +308,15 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     origin_kinds = report.kinds_words(rec.kinds)
     in_module = f" in module '{module}'" if module else ""
     entered = result["entered"]
+    masked_row = False  # a softmax whose NaN a mask's -Inf alone made (a fully masked row)
     if entered is not None:
         lines.extend(_entered(g, session, names, rec, entered, f"{in_module} at\n    {report.where(own)}",
                               "  It entered"))
         op = module = None
     else:
-        finite = "inputs finite but for a mask" if result["masks"] and result["path"][0] == result["origin"] else \
-            "inputs finite"
+        masked_row = bool(result["masks"]) and result["path"][0] == result["origin"]
+        finite = "inputs finite but for a mask" if masked_row else "inputs finite"
+        masked_row = masked_row and _NORMALIZES.search(label) is not None
         if rec.numbers:
             finite = f"tensor inputs finite, but it was given the Python number {rec.numbers[0]!r}"
         lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
@@ -326,12 +328,11 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      f"  value: shape {rec.shape}, {rec.dtype}")
     if result["transition"] is not None:
         lines.append(_became(g, window, records[result["transition"]]))
-    masks = result["masks"]
-    if masks:
-        mask_names = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else
-                             f"the output of {_label(records[m[1]])[0]}" for m in masks})
-        lines.append("  Inputs that hold only -Inf and depend on no parameter, as attention masks do, were not "
-                     f"counted as a cause: {', '.join(mask_names)}.")
+    lines.extend(_masks(session, names, result["masks"]))
+    if masked_row:
+        lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
+                     "for a softmax to normalize, and becomes NaN: mask with a large negative number "
+                     "(torch.finfo(dtype).min) instead of -inf, or leave such rows one unmasked key.")
     lines.extend(_written_inputs(session, True))
     chain = [_label(records[i])[0] for i in result["path"]]
     shown = chain if len(chain) <= 8 else [*chain[:3], f"... {len(chain) - 6} ops ...", *chain[-3:]]
@@ -365,6 +366,27 @@ def _entered(g: _guard.Guard, session: replay.Session, names: dict, rec: Any, en
     if tensor is not None:
         lines.append(f"  input: {report.describe_tensor(tensor)}")
     return lines
+
+
+_NORMALIZES = re.compile(r"softmax|logsumexp|scaled_dot_product_attention|multi_head_attention")
+
+
+def _masks(session: replay.Session, names: dict, masks: list) -> list[str]:
+    """The line naming the masks a walk did not follow, if it passed any."""
+    if not masks:
+        return []
+    made = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else _mask_made(session.records[m[1]])
+                   for m in masks})
+    return ["  Inputs that hold only -Inf and depend on no parameter, as attention masks do, were not counted as a "
+            f"cause: {', '.join(made)}."]
+
+
+def _mask_made(rec: replay.OpRecord) -> str:
+    """A mask made by a recorded op, named with the line of the user's that made it (a library's mask: the call)."""
+    own, user_site, _ = report.sites(rec.frames, rec.fn)
+    line = user_site or own
+    made_by = report.op_name(rec.fn) if rec.fn is not None else _label(rec)[0]
+    return f"the mask made by {made_by}" + (f" at {line[0]}:{line[1]}" if line is not None else "")
 
 
 def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
@@ -512,10 +534,13 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
                          f"{in_module} at\n    {report.where(own)}{called}", f"{_FORWARD_MET} it entered")
         op = module = None
     else:
-        lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} (inputs finite){in_module} at"
+        finite = "inputs finite but for a mask" if walked["masks"] and walked["path"][0] == walked["origin"] else \
+            "inputs finite"
+        lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
                  f"\n    {report.where(own)}{called}"]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
+    lines.extend(_masks(session, _names(g, window), walked["masks"]))
     if entered is not None:
         why = "an op that saturates (tanh, a clamp) or a mask kept that value from the loss, so it stayed finite"
         keep = "Keep the input finite where it comes from: saturating it hides it from the loss, not from the backward"

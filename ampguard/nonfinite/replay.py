@@ -624,6 +624,9 @@ def walk(session: Session, start: int) -> dict:
     From a NaN or +Inf, an input that holds only -Inf and depends on no parameter (an attention
     mask, however it was reshaped or cast) is not followed: masks hold -inf on purpose, and
     ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed.
+    Nor is a mask followed from the masked scores it was added to (``scores + mask``, -Inf only
+    where masked): when a mask is all the -Inf those scores hold, the op that turned them NaN (a
+    softmax over a fully masked row) is the origin, not the line that built the causal mask.
     Produced inputs are preferred to inputs that entered from outside, and the input of the same
     kind to one of another.
     """
@@ -635,18 +638,28 @@ def walk(session: Session, start: int) -> dict:
     entered = None
     seen = {start}
     only_minus = frozenset({"-inf"})
+    under = None  # (the NaN/+Inf record walked from, the transition before it) while the walk follows a -Inf from it
     while True:
         rec = records[current]
         here = primary(rec.kinds)
         produced = [i for i in rec.inputs if i not in seen and records[i].kinds]
         leaves = list(rec.leaves)
-        if here in ("nan", "inf"):
+        masking = here in ("nan", "inf")
+        if masking or (under is not None and rec.kinds == only_minus and not rec.constant):
+            found = len(masks)
             masks.extend(("record", i) for i in produced if records[i].kinds == only_minus and records[i].constant)
             produced = [i for i in produced if not (records[i].kinds == only_minus and records[i].constant)]
-            masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
-            leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
+            if masking:
+                masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
+                leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
+            elif not produced and not leaves and len(masks) > found and not rec.numbers:
+                # -Inf only where a mask made it (a -inf given here, ``scores[mask] = -inf``, is named here)
+                current, transition = under
+                del path[path.index(current) + 1:]
+                break
         if produced:
             nxt = _best(produced, here, lambda i: records[i].kinds)
+            under = (current, transition) if here in ("nan", "inf") else under if here == "-inf" else None
             if here not in records[nxt].kinds:
                 transition = current
             seen.add(nxt)
