@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -81,6 +82,50 @@ def first_user_past(frame: Any, budget: int, code: Any) -> tuple[tuple | None, b
         frame = frame.f_back
         budget -= 1
     return None, passed
+
+
+# A function that calls func(*args, **kwargs) on its one line. Copies of its code with a user frame's file, line
+# and function name, bound to that frame's globals, are the frame C warnings name (see from_caller).
+_CALL = compile("def call(func, args, kwargs): return func(*args, **kwargs)\n", "<ampguard>", "exec").co_consts[0]
+if sys.version_info >= (3, 11):
+    # Every instruction on the one line, with no columns: a traceback through a copy shows the user's line without
+    # carets under the template's columns. Location entries of code 13 (no columns) and line delta 0, 8 units each.
+    _units = len(_CALL.co_code) // 2
+    _CALL = _CALL.replace(co_linetable=bytes(b for k in range(0, _units, 8)
+                                             for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
+_callers: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(code), lasti) -> (the call, the user's code)
+MAX_CALLERS = 4096  # distinct loss-code lines; past this the cache starts again
+
+
+def from_caller(frame: Any) -> Any:
+    """``call(func, args, kwargs)``, run from a frame that warnings take for ``frame``: the same file, line, function
+    name and globals (so its module and ``__warningregistry__``).
+
+    A warning torch raises from C (``TORCH_WARN``: ``std(): degrees of freedom is <= 0``) names the Python frame
+    running when it is raised, whatever its ``stacklevel``. An op that ampguard's loss-code record calls for the
+    user would name ampguard's frame, and ``-W error::UserWarning:__main__`` or a filter by module would no longer
+    match it. Called through this, it names the user's line as without ampguard. One dict lookup a call."""
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    known = _callers.get(key)
+    if known is not None:
+        return known[0]
+    fields: dict[str, Any] = {"co_filename": code.co_filename, "co_name": code.co_name,
+                              "co_firstlineno": line_at(code, frame.f_lasti)}
+    if sys.version_info >= (3, 11):
+        fields["co_qualname"] = code.co_qualname
+    made = _CALL.replace(**fields)
+    _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
+    if len(_callers) >= MAX_CALLERS:
+        _callers.clear()
+    call = types.FunctionType(made, frame.f_globals, code.co_name)
+    _callers[key] = (call, code)
+    return call
+
+
+def is_from_caller(code: Any) -> bool:
+    """Whether ``code`` is one of :func:`from_caller`'s copies (ampguard's frame under the user's name)."""
+    return code.co_consts is _CALL.co_consts  # (each copy shares the template's constants; no user code can)
 
 
 def line_at(code: Any, lasti: int) -> int:

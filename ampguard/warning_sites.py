@@ -9,7 +9,9 @@ matching. Patch target (undone by the registry, which restores the exact functio
 - ``warnings.warn``: count ``stacklevel`` frames up from the caller, skipping ampguard's own,
   then warn with the level that reaches the same frame. Category, message and every filter act
   as without ampguard; only the location is corrected, and only when ampguard's frames were in
-  the way. Warnings raised from C (``TORCH_WARN``) do not pass here and are not affected.
+  the way. Warnings raised from C (``TORCH_WARN``) do not pass here: they name the frame that runs
+  when they are raised, and the loss-code record calls an op from a frame that reads as the user's
+  (``_frames.from_caller``), which counts as ampguard's here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+from ._frames import is_from_caller
 from ._patching import REGISTRY, Target
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -27,7 +30,7 @@ _ours: dict[Any, bool] = {}
 def _is_ours(code: Any) -> bool:
     ours = _ours.get(code)
     if ours is None:
-        ours = _ours[code] = code.co_filename.startswith(_HERE)
+        ours = _ours[code] = code.co_filename.startswith(_HERE) or is_from_caller(code)
     return ours
 
 

@@ -41,6 +41,40 @@ def test_a_torch_warning_inside_a_wrapped_call_keeps_its_file_and_line(python, t
     assert (caught in plain.stdout) == at_user and (caught in guarded.stdout) == at_user, guarded.stdout
 
 
+C_WARNS = """
+import sys, warnings, torch
+if sys.argv[1] == "guarded":
+    import ampguard
+    ampguard.install()
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1)
+out = m(torch.randn(1, 4))
+spread = out.std().nan_to_num()  # STD LINE: of one element, so torch warns from C (TORCH_WARN)
+warnings.filterwarnings("error", category=UserWarning, module="__main__")  # -W error::UserWarning:__main__
+out = m(torch.randn(1, 4))
+try:
+    spread = out.std().nan_to_num()
+except UserWarning:
+    print("caught by a filter on __main__")
+"""
+
+
+def test_a_warning_torch_raises_from_c_in_the_loss_code_keeps_its_file_and_line(python, tmp_path):
+    """The loss-code record calls each op for the user, and a warning raised in C names the Python frame that is
+    running: it named ampguard's sinks.py, and a filter on the user's module no longer caught it."""
+    script = tmp_path / "train.py"
+    script.write_text(C_WARNS)
+    plain = python(None, "-W", "always", str(script), "plain")
+    guarded = python(None, "-W", "always", str(script), "guarded")
+    line = [x for x in plain.stderr.splitlines() if "degrees of freedom" in x]
+    assert line and line[0].startswith(f"{script}:9: UserWarning: std(): degrees of freedom"), plain.stderr
+    assert plain.returncode == guarded.returncode == 0, guarded.stderr
+    assert [x for x in guarded.stderr.splitlines() if "degrees of freedom" in x] == line, guarded.stderr
+    assert "ampguard" not in guarded.stderr, guarded.stderr
+    assert "caught by a filter on __main__" in plain.stdout and "caught by a filter on __main__" in guarded.stdout, \
+        guarded.stdout + guarded.stderr
+
+
 def test_uninstall_restores_warnings_warn_by_identity():
     original = warnings.warn
     ampguard.install()

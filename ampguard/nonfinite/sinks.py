@@ -48,7 +48,7 @@ from typing import Any
 from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
-from .._frames import first_user, first_user_past, warn_at_user
+from .._frames import first_user, first_user_past, from_caller, warn_at_user
 from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
 from . import outermost
@@ -67,6 +67,7 @@ _transformed: Any = None  # whether a torch.func transform (vmap, grad, jacrev) 
 _tracing: Any = None  # torch.jit.trace's state while it traces (None otherwise)
 _graph_task_id: Any = None
 _any_autocast: Any = None
+_PY_FUNCTION = type(lambda: None)  # a torch function written in Python (F.cross_entropy): its own frames warn
 _SKIP_NAMES = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "item", "tolist", "__repr__", "__format__", "__bool__",
     "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride", "is_floating_point",
@@ -883,7 +884,9 @@ def _make_tape() -> Any:
                 kwargs = {}
             if _is_compiling():  # dynamo folds this: a compiled graph sees a plain call, no graph break
                 return func(*args, **kwargs)
-            out = func(*args, **kwargs)
+            caller = sys._getframe(1)
+            # A C function (Tensor.std) warns from the running frame: one that reads as the caller's (see from_caller)
+            out = func(*args, **kwargs) if type(func) is _PY_FUNCTION else from_caller(caller)(func, args, kwargs)
             t = _here.state
             if not t.taping or t.replaying or _transformed():
                 return out
@@ -896,11 +899,11 @@ def _make_tape() -> Any:
                 made = out if out is not None else written_output(func, args, out)  # (no call for most ops)
                 if isinstance(made, tensor):
                     if made.is_floating_point() or made.is_complex():
-                        _record(t, func, args, kwargs, ((made, 0),), sys._getframe(1))
+                        _record(t, func, args, kwargs, ((made, 0),), caller)
                 else:
                     outs = made_within(made)
                     if outs:
-                        _record(t, func, args, kwargs, outs, sys._getframe(1))
+                        _record(t, func, args, kwargs, outs, caller)
             except (NonFiniteError, AmpGuardWarning):
                 raise
             except Exception as exc:
