@@ -114,12 +114,13 @@ def _ours(file: str) -> bool:
 
 
 def _call_line() -> str:
-    """Where the recorder calls the recorded torch function: time there is the user's op, not ampguard's."""
+    """Where the recorder calls the recorded torch function: time there is the user's op, not ampguard's. (A C
+    function is called one frame further in, through a frame bearing the user's file: not ampguard's either.)"""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ampguard", "nonfinite",
                         "sinks.py")
     with open(path) as f:
         for number, text in enumerate(f, 1):
-            if text.strip() == "out = func(*args, **kwargs)":
+            if text.strip().startswith("out = func(*args, **kwargs)"):
                 return str(number)
     return ""
 
