@@ -121,6 +121,23 @@ def test_a_fully_padded_sequence_is_named_at_the_softmax_not_at_the_causal_mask(
     assert "has no finite value for a softmax to normalize" in message and "torch.finfo(dtype).min" in message
 
 
+def test_a_target_whose_class_is_masked_is_named_at_the_mask_that_reached_the_loss():
+    """+Inf, not NaN: the mask's -Inf itself reached the loss (negated by the NLL), so the mask is the origin."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    mask[:, 2] = True
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        scores = model(torch.randn(4, 4)).masked_fill(mask, float("-inf"))  # MASKED CLASS
+        torch.nn.functional.cross_entropy(scores, torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+    message = str(info.value)
+    assert info.value.kind == "inf" and info.value.op == "Tensor.masked_fill", message
+    line = line_of(test_a_target_whose_class_is_masked_is_named_at_the_mask_that_reached_the_loss, "MASKED CLASS")
+    assert f"{__file__}:{line}" in message and "It became +Inf in aten.nll_loss_forward" in message, message
+
+
 # 2. teacher under no_grad ----------------------------------------------------------------------
 class Student(torch.nn.Module):
     def __init__(self):

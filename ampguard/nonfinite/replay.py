@@ -625,8 +625,10 @@ def walk(session: Session, start: int) -> dict:
     mask, however it was reshaped or cast) is not followed: masks hold -inf on purpose, and
     ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed.
     Nor is a mask followed from the masked scores it was added to (``scores + mask``, -Inf only
-    where masked): when a mask is all the -Inf those scores hold, the op that turned them NaN (a
-    softmax over a fully masked row) is the origin, not the line that built the causal mask.
+    where masked) on the way back from a NaN: when a mask is all the -Inf those scores hold, the op
+    that turned them NaN (a softmax over a fully masked row) is the origin, not the line that built
+    the causal mask. (A masked -Inf that reached the loss as +Inf, a target whose class is masked,
+    is still followed to the mask that made it.)
     Produced inputs are preferred to inputs that entered from outside, and the input of the same
     kind to one of another.
     """
@@ -638,7 +640,7 @@ def walk(session: Session, start: int) -> dict:
     entered = None
     seen = {start}
     only_minus = frozenset({"-inf"})
-    under = None  # (the NaN/+Inf record walked from, the transition before it) while the walk follows a -Inf from it
+    under = None  # (the NaN record walked from, the transition before it) while the walk follows a -Inf from it
     while True:
         rec = records[current]
         here = primary(rec.kinds)
@@ -659,7 +661,7 @@ def walk(session: Session, start: int) -> dict:
                 break
         if produced:
             nxt = _best(produced, here, lambda i: records[i].kinds)
-            under = (current, transition) if here in ("nan", "inf") else under if here == "-inf" else None
+            under = (current, transition) if here == "nan" else under if here == "-inf" else None
             if here not in records[nxt].kinds:
                 transition = current
             seen.add(nxt)
