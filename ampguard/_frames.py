@@ -93,7 +93,7 @@ if sys.version_info >= (3, 11):
     _units = len(_CALL.co_code) // 2
     _CALL = _CALL.replace(co_linetable=bytes(b for k in range(0, _units, 8)
                                              for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
-_callers: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(code), lasti) -> (the call, the user's code)
+CALLERS: dict[tuple[int, int], Any] = {}  # (id(code), lasti) -> the call (it holds the user's code: the id stays)
 MAX_CALLERS = 4096  # distinct loss-code lines; past this the cache starts again
 
 
@@ -107,19 +107,20 @@ def from_caller(frame: Any) -> Any:
     match it. Called through this, it names the user's line as without ampguard. One dict lookup a call."""
     code = frame.f_code
     key = (id(code), frame.f_lasti)
-    known = _callers.get(key)
+    known = CALLERS.get(key)  # (a hot path looks here first itself)
     if known is not None:
-        return known[0]
+        return known
     fields: dict[str, Any] = {"co_filename": code.co_filename, "co_name": code.co_name,
                               "co_firstlineno": line_at(code, frame.f_lasti)}
     if sys.version_info >= (3, 11):
         fields["co_qualname"] = code.co_qualname
     made = _CALL.replace(**fields)
     _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
-    if len(_callers) >= MAX_CALLERS:
-        _callers.clear()
+    if len(CALLERS) >= MAX_CALLERS:
+        CALLERS.clear()
     call = types.FunctionType(made, frame.f_globals, code.co_name)
-    _callers[key] = (call, code)
+    call.code = code
+    CALLERS[key] = call
     return call
 
 
