@@ -138,6 +138,41 @@ def test_a_target_whose_class_is_masked_is_named_at_the_mask_that_reached_the_lo
     assert f"{__file__}:{line}" in message and "It became +Inf in aten.nll_loss_forward" in message, message
 
 
+class MissingMarked(torch.nn.Module):
+    """A forecaster that marks positions it has no prediction for with NaN, on purpose (a nanmean skips them)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x, valid):
+        return self.head(x).squeeze(-1).masked_fill(~valid, float("nan"))  # MARKER LINE
+
+
+def test_a_nan_marker_written_on_purpose_passes_in_training_and_its_evaluation_error_says_how_to_allow_it():
+    model = MissingMarked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    valid = torch.tensor([True] * 5 + [False] * 3)
+    x, y = torch.randn(8, 4), torch.randn(8)
+    with ampguard.guard() as g:
+        loss = (model(x, valid) - y).pow(2).nanmean()  # the loss skips the marker: finite
+        loss.backward()
+        opt.step()
+        assert g.stats.nonfinite_detected == 0
+        with torch.no_grad(), ampguard.guard(nonfinite="off"):  # the way the message names
+            assert (model(x, valid) - y).pow(2).nanmean().isfinite()
+            assert (model(x, valid) - y).pow(2).nanmean().isfinite()
+        with torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+            model(x, valid)
+            model(x, valid)  # (the read of the first call's output)
+    message = str(info.value)
+    assert info.value.sink == "output of module 'MissingMarked'" and info.value.op == "Tensor.masked_fill", message
+    assert "it was given the Python number nan" in message
+    assert "Your code wrote this NaN itself. If it is on purpose" in message and \
+        'run those calls under `with ampguard.guard(nonfinite="off"):`' in message, message
+
+
 # 2. teacher under no_grad ----------------------------------------------------------------------
 class Student(torch.nn.Module):
     def __init__(self):

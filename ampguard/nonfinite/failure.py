@@ -329,6 +329,12 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     if result["transition"] is not None:
         lines.append(_became(g, window, records[result["transition"]]))
     lines.extend(_masks(session, names, result["masks"]))
+    on_purpose = any(n != n for n in rec.numbers) if entered is None else \
+        rec.name.startswith("aten.lift_fresh") and "nan" in entered[1]
+    if on_purpose and kind == "nan" and p.sink.startswith("output"):
+        lines.append("  Your code wrote this NaN itself. If it is on purpose (a marker for missing values that a "
+                     "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
+                     "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
                      "for a softmax to normalize, and becomes NaN: mask with a large negative number "
