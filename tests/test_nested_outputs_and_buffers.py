@@ -319,3 +319,74 @@ def test_an_output_whose_status_torch_cannot_compute_is_left_unchecked_with_one_
         with pytest.raises(ampguard.NonFiniteError) as info:
             model(x)
     assert "output of module 'TwoHeads'" in str(info.value) and "parameter 'proj.bias'" in str(info.value)
+
+
+class HandsBackItsTargets(nn.Module):
+    """Multi-task regression with missing labels (NaN): the model returns its predictions with the batch's targets
+    (a dict, as trainers' collate code hands it over), and a statistic computed without grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        pred = self.head(batch["x"])
+        out = {"pred": pred, "target": batch["y"], "mask": batch["y"].isnan().unsqueeze(0).float(),
+               "target_t": batch["y"].T}
+        if self.training:
+            with torch.no_grad():
+                out["spread"] = (pred - batch["y"]).std(0)  # NaN where a column misses a label: logged, not trained on
+        return out
+
+
+def batch_with_missing_labels(i, x_nan=False):
+    g = torch.Generator().manual_seed(i)
+    y = torch.randn(8, 2, generator=g)
+    y[::3, 1] = float("nan")
+    x = torch.randn(8, 4, generator=g)
+    if x_nan:
+        x[0, 0] = float("nan")
+    return {"x": x, "y": y}
+
+
+def masked_loss(out):
+    valid = ~out["target"].isnan()
+    return (out["pred"] - out["target"].nan_to_num())[valid].pow(2).mean()
+
+
+def test_targets_with_missing_labels_that_a_model_hands_back_are_no_sink_in_training_or_evaluation():
+    """They raised NonFiniteError ("no origin is known") in training and in evaluation, and plain PyTorch trains on.
+    In training an output without grad was read at once rather than left to the loss; in evaluation an output the
+    call was given (or a view of it) was a sink, though the call made nothing of it."""
+    reference = HandsBackItsTargets()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i in range(3):
+        masked_loss(reference(batch_with_missing_labels(i))).backward()
+        opt.step()
+        opt.zero_grad()
+    model = HandsBackItsTargets()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard() as g:
+        for i in range(3):
+            masked_loss(model(batch_with_missing_labels(i))).backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            for i in range(3):
+                out = model(batch_with_missing_labels(i))
+                assert masked_loss(out).isfinite() and out["target"].isnan().any()
+        assert g.stats.nonfinite_detected == 0
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+
+
+def test_a_prediction_that_nan_data_made_in_an_evaluation_is_still_reported():
+    model = HandsBackItsTargets().eval()
+    batch = batch_with_missing_labels(0, x_nan=True)
+    with ampguard.guard(), torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+        model(batch)
+        model(batch_with_missing_labels(1))  # (the read of the first call's outputs)
+    message = str(info.value)
+    assert info.value.sink == "output of module 'HandsBackItsTargets' (output 'pred')", message
+    assert "It entered already non-finite (NaN)" in message, message

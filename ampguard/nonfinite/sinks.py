@@ -783,6 +783,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         return
     leaves = output_leaves(output)
     outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
+    if outputs and (args or kwargs):
+        outputs = _made_here(outputs, args, kwargs)
     skipped = None
     for o, _ in outputs:
         if type(o) is not _Tensor and unreadable(o) is not None:  # (a subclass whose norm torch does not take)
@@ -808,8 +810,9 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     pending = t.pending
     keep = False
     for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
-        if training and o.requires_grad:
-            # A loss usually follows and covers it; if none does, it is read then, if still held.
+        if training:
+            # A loss usually follows and covers it; if none does, it is read then, if still held. (An output without
+            # grad too: a frozen part's features, a statistic. If the loss uses it, the loss is the sink.)
             pending.append(Pending(g, None, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
@@ -832,6 +835,32 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         end_tape(t)
     if skipped:
         _warn_unreadable(g, module, skipped)
+
+
+def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
+    """The outputs without those the call was given: a target that a model hands back with its predictions (NaN
+    where a label is missing), or a view of one. The call did not make them; they are the data, not a sink. Looked
+    at only where an output has no autograd history (every output of a no_grad call, few of a training call)."""
+    if len(outputs) == 1 and len(args) == 1 and not kwargs and isinstance(args[0], _Tensor):
+        o, given = outputs[0][0], args[0]  # (one tensor in, one out: an inference call's shape)
+        return outputs if o.grad_fn is not None or (o is not given and o._base is not given) else []
+    for o, _ in outputs:
+        if o.grad_fn is None:
+            break
+    else:
+        return outputs
+    given = set()
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, _Tensor):
+            given.add(id(value))
+        else:
+            items = _items(value)  # a batch of tensors: a dict, a tuple or list, a dataclass
+            if items is not None:
+                given.update(id(v) for _, v in items if isinstance(v, _Tensor))
+    if not given:
+        return outputs
+    return [(o, k) for o, k in outputs
+            if o.grad_fn is not None or (id(o) not in given and (o._base is None or id(o._base) not in given))]
 
 
 def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
