@@ -19,7 +19,8 @@ So:
 - ampguard's code is never compiled as frames of its own (``skip_code`` on each of its code objects, once, when
   ampguard is installed in a process that imports ``torch._dynamo``); it is still inlined where a traced
   function calls it, where the early returns above are seen. The marks stay after uninstall: they concern
-  ampguard's own code alone.
+  ampguard's own code alone. That includes the loss-code record's calls of C ops, made at run time under the
+  user's file and line (``_frames.from_caller``): each is marked when it is made.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import _frames
 from ._patching import REGISTRY, Switch
 
 log = logging.getLogger("ampguard")
@@ -50,6 +52,8 @@ def keep_out_of_graphs() -> Callable[[], None]:
         for code in _codes():
             skip(code)
         _marked = True
+    for call in list(_frames.CALLERS.values()):  # the loss-code record's calls made so far (later ones mark themselves)
+        skip(call.__code__)
     return _stays
 
 

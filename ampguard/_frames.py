@@ -116,6 +116,9 @@ def from_caller(frame: Any) -> Any:
         fields["co_qualname"] = code.co_qualname
     made = _CALL.replace(**fields)
     _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is not None:
+        skip(made)  # ampguard's frame: never compiled as one of its own at a graph break (see _compiling)
     if len(CALLERS) >= MAX_CALLERS:
         CALLERS.clear()
     call = types.FunctionType(made, frame.f_globals, code.co_name)

@@ -259,6 +259,41 @@ def test_a_compiled_training_function_compiles_and_trains_exactly_as_without_amp
     assert guarded[2:] == plain[2:]  # the same graph breaks (the backward's own), the same number of graphs
 
 
+def _compiled_loss_code(guarded):
+    """An eager model, and loss code compiled with a graph break on a torch op (``.item()``), which runs eagerly under
+    the loss-code record and dynamo's frame callback; the losses and what dynamo compiled."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    @torch.compile(backend="aot_eager")
+    def loss_code(out, y):
+        loss = torch.nn.functional.mse_loss(out, y)
+        scale = loss.item()  # (a graph break)
+        return loss + 0.1 * out.std() / (1 + scale)
+
+    losses = []
+    with ampguard.guard() if guarded else contextlib.nullcontext():
+        for i in range(3):
+            x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), torch.randn(4, 1)
+            loss = loss_code(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, dict(counters["frames"]), counters["stats"]["unique_graphs"]
+
+
+def test_loss_code_compiled_with_a_graph_break_compiles_the_frames_it_compiles_without_ampguard():
+    """The record calls a C op at a graph break through a frame bearing the user's file and line (so that its
+    warnings name the user's line): dynamo took that frame for the user's and compiled it as one more frame."""
+    plain = _compiled_loss_code(False)
+    assert plain[1]["total"] >= 2  # (the function, and its resumption after the break)
+    assert _compiled_loss_code(True) == plain
+
+
 def test_a_nan_in_a_compiled_training_function_is_still_stopped_before_the_step():
     """The module call ran inside the compiled function, where ampguard records nothing: the loss is still
     checked at backward(), which runs outside the graph, and the step is not taken."""
