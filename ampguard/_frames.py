@@ -84,8 +84,9 @@ def first_user_past(frame: Any, budget: int, code: Any) -> tuple[tuple | None, b
     return None, passed
 
 
-# A function that calls func(*args, **kwargs) on its one line. Copies of its code with a user frame's file, line
-# and function name, bound to that frame's globals, are the frame C warnings name (see from_caller).
+# A function that calls func(*args, **kwargs) on its one line. Copies of its code with a user frame's file and line,
+# bound to that frame's globals, are the frame C warnings name (see from_caller). Named <ampguard>: a traceback, a
+# profiler or a debugger shows ampguard's frame at the user's line, not a second frame of the user's function.
 _CALL = compile("def call(func, args, kwargs): return func(*args, **kwargs)\n", "<ampguard>", "exec").co_consts[0]
 if sys.version_info >= (3, 11):
     # Every instruction on the one line, with no columns: a traceback through a copy shows the user's line without
@@ -95,11 +96,12 @@ if sys.version_info >= (3, 11):
                                              for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
 CALLERS: dict[tuple[int, int], Any] = {}  # (id(code), lasti) -> the call (it holds the user's code: the id stays)
 MAX_CALLERS = 4096  # distinct loss-code lines; past this the cache starts again
+_NAME = "<ampguard>"
 
 
 def from_caller(frame: Any) -> Any:
-    """``call(func, args, kwargs)``, run from a frame that warnings take for ``frame``: the same file, line, function
-    name and globals (so its module and ``__warningregistry__``).
+    """``call(func, args, kwargs)``, run from a frame that warnings take for ``frame``: the same file, line and
+    globals (so its module and ``__warningregistry__``), named ``<ampguard>``.
 
     A warning torch raises from C (``TORCH_WARN``: ``std(): degrees of freedom is <= 0``) names the Python frame
     running when it is raised, whatever its ``stacklevel``. An op that ampguard's loss-code record calls for the
@@ -110,25 +112,22 @@ def from_caller(frame: Any) -> Any:
     known = CALLERS.get(key)  # (a hot path looks here first itself)
     if known is not None:
         return known
-    fields: dict[str, Any] = {"co_filename": code.co_filename, "co_name": code.co_name,
-                              "co_firstlineno": line_at(code, frame.f_lasti)}
-    if sys.version_info >= (3, 11):
-        fields["co_qualname"] = code.co_qualname
-    made = _CALL.replace(**fields)
+    made = _CALL.replace(co_filename=code.co_filename, co_firstlineno=line_at(code, frame.f_lasti), co_name=_NAME,
+                         **({"co_qualname": _NAME} if sys.version_info >= (3, 11) else {}))
     _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
     skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
     if skip is not None:
         skip(made)  # ampguard's frame: never compiled as one of its own at a graph break (see _compiling)
     if len(CALLERS) >= MAX_CALLERS:
         CALLERS.clear()
-    call = types.FunctionType(made, frame.f_globals, code.co_name)
+    call = types.FunctionType(made, frame.f_globals, _NAME)
     call.code = code
     CALLERS[key] = call
     return call
 
 
 def is_from_caller(code: Any) -> bool:
-    """Whether ``code`` is one of :func:`from_caller`'s copies (ampguard's frame under the user's name)."""
+    """Whether ``code`` is one of :func:`from_caller`'s copies (ampguard's frame at the user's line)."""
     return code.co_consts is _CALL.co_consts  # (each copy shares the template's constants; no user code can)
 
 
