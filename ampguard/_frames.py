@@ -87,7 +87,8 @@ def first_user_past(frame: Any, budget: int, code: Any) -> tuple[tuple | None, b
 # A function that calls func(*args, **kwargs) on its one line. Copies of its code with a user frame's file and line,
 # bound to that frame's globals, are the frame C warnings name (see from_caller). Named <ampguard>: a traceback, a
 # profiler or a debugger shows ampguard's frame at the user's line, not a second frame of the user's function.
-_CALL = compile("def call(func, args, kwargs): return func(*args, **kwargs)\n", "<ampguard>", "exec").co_consts[0]
+_CALL = compile("def call(func, args, kwargs): __tracebackhide__ = True; return func(*args, **kwargs)\n",
+                "<ampguard>", "exec").co_consts[0]  # (pytest hides the frame, as it hides the record's own)
 if sys.version_info >= (3, 11):
     # Every instruction on the one line, with no columns: a traceback through a copy shows the user's line without
     # carets under the template's columns. Location entries of code 13 (no columns) and line delta 0, 8 units each.
