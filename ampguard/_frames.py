@@ -6,6 +6,7 @@ the first of them, so messages name the line the user wrote, not a line inside a
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import types
@@ -93,8 +94,11 @@ if sys.version_info >= (3, 11):
     # Every instruction on the one line, with no columns: a traceback through a copy shows the user's line without
     # carets under the template's columns. Location entries of code 13 (no columns) and line delta 0, 8 units each.
     _units = len(_CALL.co_code) // 2
-    _CALL = _CALL.replace(co_linetable=bytes(b for k in range(0, _units, 8)
-                                             for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
+    try:
+        _CALL = _CALL.replace(co_linetable=bytes(b for k in range(0, _units, 8)
+                                                 for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
+    except Exception:  # pragma: no cover - (another line table format: the carets stay, nothing else differs)
+        pass
 CALLERS: dict[tuple[int, int], Any] = {}  # (id(code), lasti) -> the call (it holds the user's code: the id stays)
 MAX_CALLERS = 4096  # distinct loss-code lines; past this the cache starts again
 _NAME = "<ampguard>"
@@ -113,18 +117,26 @@ def from_caller(frame: Any) -> Any:
     known = CALLERS.get(key)  # (a hot path looks here first itself)
     if known is not None:
         return known
-    made = _CALL.replace(co_filename=code.co_filename, co_firstlineno=line_at(code, frame.f_lasti), co_name=_NAME,
-                         **({"co_qualname": _NAME} if sys.version_info >= (3, 11) else {}))
-    _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
-    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip is not None:
-        skip(made)  # ampguard's frame: never compiled as one of its own at a graph break (see _compiling)
+    try:
+        made = _CALL.replace(co_filename=code.co_filename, co_firstlineno=line_at(code, frame.f_lasti), co_name=_NAME,
+                             **({"co_qualname": _NAME} if sys.version_info >= (3, 11) else {}))
+        _internal_code[id(made)] = (True, made)  # never a user frame to a walk that passes it
+        skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+        if skip is not None:
+            skip(made)  # ampguard's frame: never compiled as one of its own at a graph break (see _compiling)
+        call = types.FunctionType(made, frame.f_globals, _NAME)
+        call.code = code  # (held: while cached, its id is not reused)
+    except Exception:  # (an interpreter whose code objects differ): the op is called as before, only the place differs
+        logging.getLogger("ampguard").debug("ampguard: no call frame for %s", code.co_filename, exc_info=True)
+        call = _call_here
     if len(CALLERS) >= MAX_CALLERS:
         CALLERS.clear()
-    call = types.FunctionType(made, frame.f_globals, _NAME)
-    call.code = code
     CALLERS[key] = call
     return call
+
+
+def _call_here(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 def is_from_caller(code: Any) -> bool:
