@@ -107,6 +107,27 @@ def test_a_fault_in_the_lightning_patch_falls_back(monkeypatch):
     assert len(found) == 1 and "internal error in closures" in str(found[0].message) and "closures" in g._disabled
 
 
+def test_a_loss_code_call_frame_that_cannot_be_made_calls_the_op_as_before(monkeypatch, caplog):
+    """The loss-code record calls a C op through a frame bearing the user's line (its C warnings name that line);
+    where that frame cannot be made, the op runs from ampguard's frame, with the same result and no warning."""
+    from ampguard import _frames
+
+    monkeypatch.setattr(_frames, "CALLERS", {})
+    monkeypatch.setattr("ampguard.nonfinite.sinks._CALLERS", _frames.CALLERS)
+    monkeypatch.setattr(_frames, "_CALL", None)  # (no code to copy: the copy fails)
+    caplog.set_level("DEBUG", logger="ampguard")
+    m = torch.nn.Linear(4, 1)
+    x = torch.randn(3, 4)
+    expected = m(x).pow(2).mean()
+    with ampguard.guard() as g, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = m(x).pow(2).mean()
+        loss.backward()
+    assert torch.equal(loss, expected) and not g._disabled
+    assert _frames.CALLERS and all(call is _frames._call_here for call in _frames.CALLERS.values())
+    assert "no call frame for" in caplog.text
+
+
 def test_intended_errors_are_not_swallowed_while_another_feature_is_faulty(monkeypatch):
     ampguard.install(max_consecutive_skips=3)
     monkeypatch.setattr("ampguard.lints._check_clip", raise_injected)
