@@ -390,3 +390,36 @@ def test_a_prediction_that_nan_data_made_in_an_evaluation_is_still_reported():
     message = str(info.value)
     assert info.value.sink == "output of module 'HandsBackItsTargets' (output 'pred')", message
     assert "It entered already non-finite (NaN)" in message, message
+
+
+class CachesAStatistic(nn.Module):
+    """Computes a statistic at its first call and returns the cached value from then on, with a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("stats", torch.zeros(2))
+        self.cache = None
+
+    def forward(self, x):
+        y = self.head(x)
+        if self.cache is None:
+            self.cache = y.detach().mean(0).log()  # NaN where the mean is negative
+        return y, self.cache, self.stats
+
+
+@pytest.mark.parametrize("held", ["cache", "stats"])
+def test_an_output_that_the_module_holds_is_named_when_the_replay_cannot_remake_it(held):
+    """The replay runs the call with the module as it is now, and a tensor the module holds comes back as it is: the
+    message said only "No origin is known"."""
+    model = CachesAStatistic().eval()
+    if held == "stats":
+        model.cache = torch.zeros(2)
+        model.stats.fill_(float("nan"))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    with ampguard.guard(), torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+        for _ in range(3):
+            model(x)
+    message = str(info.value)
+    assert f"The call returned '{held}', a tensor that module 'CachesAStatistic' holds, as it is" in message, message

@@ -212,9 +212,29 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
     kind = replay.primary(replay.kinds(target)) or "nan"
     noted = [note] if note else []
     if start is None:
-        return _plain(p, [*noted, "  No origin is known: the replayed value was not made by an op ampguard saw."],
-                      kind)
+        return _plain(p, [*noted, "  No origin is known: the replayed value was not made by an op ampguard saw.",
+                          *_held_by_a_module(g, window, p, target)], kind)
     return _origin_error(g, p, session, window, replay.walk(session, start), kind, noted)
+
+
+def _held_by_a_module(g: _guard.Guard, window: list, p: Pending, target: Any) -> list[str]:
+    """Where the replayed call returned a tensor that one of its modules holds (a buffer, a parameter, a value it
+    caches), say which: the replay runs the call with the module as it is now, and makes nothing of such a tensor."""
+    call = p.call
+    if call is None or not isinstance(call.module, sinks._torch.nn.Module):
+        return []
+    for path, module in call.module.named_modules():
+        for name, value in vars(module).items():
+            held = value if isinstance(value, sinks._torch.Tensor) else None
+            if held is None and name in ("_parameters", "_buffers"):
+                held = next((v for k, v in value.items() if v is target and (name := k)), None)
+            if held is target:
+                owner = f"{type(call.module).__name__}.{path}" if path else type(call.module).__name__
+                return [f"  The call returned '{name}', a tensor that module '{owner}' holds, as it is, so the replay "
+                        "made nothing of it: whatever wrote it (this call when it first ran, an earlier call, or code "
+                        "outside them) wrote it before the replay, which runs with the module as it is now. A value "
+                        "the module caches, a buffer or a parameter: look where it is assigned."]
+    return []
 
 
 def _label(rec: replay.OpRecord) -> tuple[str, str]:
