@@ -213,22 +213,20 @@ def _explain(g: _guard.Guard, p: Pending, session: replay.Session, window: list,
     noted = [note] if note else []
     if start is None:
         return _plain(p, [*noted, "  No origin is known: the replayed value was not made by an op ampguard saw.",
-                          *_held_by_a_module(g, window, p, target)], kind)
+                          *_held_by_a_module(p, target)], kind)
     return _origin_error(g, p, session, window, replay.walk(session, start), kind, noted)
 
 
-def _held_by_a_module(g: _guard.Guard, window: list, p: Pending, target: Any) -> list[str]:
+def _held_by_a_module(p: Pending, target: Any) -> list[str]:
     """Where the replayed call returned a tensor that one of its modules holds (a buffer, a parameter, a value it
     caches), say which: the replay runs the call with the module as it is now, and makes nothing of such a tensor."""
     call = p.call
     if call is None or not isinstance(call.module, sinks._torch.nn.Module):
         return []
     for path, module in call.module.named_modules():
-        for name, value in vars(module).items():
-            held = value if isinstance(value, sinks._torch.Tensor) else None
-            if held is None and name in ("_parameters", "_buffers"):
-                held = next((v for k, v in value.items() if v is target and (name := k)), None)
-            if held is target:
+        attributes = (*vars(module).items(), *module._parameters.items(), *module._buffers.items())
+        for name, value in attributes:
+            if value is target:
                 owner = f"{type(call.module).__name__}.{path}" if path else type(call.module).__name__
                 return [f"  The call returned '{name}', a tensor that module '{owner}' holds, as it is, so the replay "
                         "made nothing of it: whatever wrote it (this call when it first ran, an earlier call, or code "
@@ -334,9 +332,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                               "  It entered"))
         op = module = None
     else:
-        masked_row = bool(result["masks"]) and result["path"][0] == result["origin"]
-        finite = "inputs finite but for a mask" if masked_row else "inputs finite"
-        masked_row = masked_row and _NORMALIZES.search(label) is not None
+        masked = bool(result["masks"]) and result["path"][0] == result["origin"]
+        finite = "inputs finite but for a mask" if masked else "inputs finite"
+        masked_row = masked and _NORMALIZES.search(label) is not None
         if rec.numbers:
             finite = f"tensor inputs finite, but it was given the Python number {rec.numbers[0]!r}"
         lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
