@@ -116,9 +116,28 @@ def test_a_fully_padded_sequence_is_named_at_the_softmax_not_at_the_causal_mask(
                                                                             "SOFTMAX LINE"), message
     assert "It was created by Tensor.softmax (inputs finite but for a mask, output NaN)" in message, message
     assert "torch.full" not in message and "It became" not in message, message
-    assert "were not counted as a cause: the mask made by Tensor.add at " \
+    assert "was not counted as a cause: the mask made by Tensor.add at " \
         f"{__file__}:{line_of(PaddedCausalAttention.forward, 'MASK LINE')}." in message, message
     assert "has no finite value for a softmax to normalize" in message and "torch.finfo(dtype).min" in message
+
+
+def test_a_fully_masked_row_written_with_masked_fill_is_named_at_the_softmax_as_an_added_mask_is():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    pad[1] = True  # the second sequence is all padding
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        h = model(torch.randn(2, 4)).view(2, 3, 2)
+        scores = (h @ h.transpose(1, 2)).masked_fill(pad[:, None, :], float("-inf"))  # PAD MASK
+        (scores.softmax(-1) @ h).pow(2).mean().backward()
+        opt.step()
+    message = str(info.value)
+    line = line_of(test_a_fully_masked_row_written_with_masked_fill_is_named_at_the_softmax_as_an_added_mask_is,
+                   "PAD MASK")
+    assert info.value.op == "Tensor.softmax" and "(inputs finite but for a mask, output NaN)" in message, message
+    assert f"was not counted as a cause: the mask made by Tensor.masked_fill at {__file__}:{line}." in message, message
+    assert "has no finite value for a softmax to normalize" in message
 
 
 def test_a_target_whose_class_is_masked_is_named_at_the_mask_that_reached_the_loss():
@@ -586,7 +605,7 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
     # The key padding mask's -Inf is all the -Inf the scores hold: the softmax of a fully masked row made the NaN
     assert "The forward made it: aten._softmax inside torch.nn.functional.multi_head_attention_forward created NaN " \
         "(inputs finite but for a mask) in module 'attn'" in message, message
-    assert "were not counted as a cause: the mask made by torch.nn.functional.multi_head_attention_forward at " \
+    assert "was not counted as a cause: the mask made by torch.nn.functional.multi_head_attention_forward at " \
         f"{__file__}:{line_of(PaddedEncoder.forward, 'PADDED ATTENTION')}." in message, message
     assert "the backward of MmBackward0 met it among the values the forward saved" in message
     assert "the backward pass made it" not in message

@@ -401,7 +401,7 @@ def _masks(session: replay.Session, names: dict, masks: list) -> list[str]:
         return []
     made = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else _mask_made(session.records[m[1]])
                    for m in masks})
-    return ["  Inputs that hold only -Inf and depend on no parameter, as attention masks do, were not counted as a "
+    return ["  -Inf that masks put there (depending on no parameter, as attention masks do) was not counted as a "
             f"cause: {', '.join(made)}."]
 
 

@@ -624,11 +624,12 @@ def walk(session: Session, start: int) -> dict:
     From a NaN or +Inf, an input that holds only -Inf and depends on no parameter (an attention
     mask, however it was reshaped or cast) is not followed: masks hold -inf on purpose, and
     ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed.
-    Nor is a mask followed from the masked scores it was added to (``scores + mask``, -Inf only
-    where masked) on the way back from a NaN: when a mask is all the -Inf those scores hold, the op
-    that turned them NaN (a softmax over a fully masked row) is the origin, not the line that built
-    the causal mask. (A masked -Inf that reached the loss as +Inf, a target whose class is masked,
-    is still followed to the mask that made it.)
+    Nor is a mask followed from the masked scores on the way back from a NaN (-Inf only where
+    masked: a mask added, ``scores + mask``, or written, ``scores.masked_fill(pad, -inf)``): when
+    masks are all the -Inf those scores hold, the op that turned them NaN (a softmax over a fully
+    masked row) is the origin, and not the line that built the causal mask, which every step has.
+    (A masked -Inf that reached the loss as +Inf, a target whose class is masked, is still
+    followed to the mask that made it.)
     Produced inputs are preferred to inputs that entered from outside, and the input of the same
     kind to one of another.
     """
@@ -654,8 +655,10 @@ def walk(session: Session, start: int) -> dict:
             if masking:
                 masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
                 leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
-            elif not produced and not leaves and len(masks) > found and not rec.numbers:
-                # -Inf only where a mask made it (a -inf given here, ``scores[mask] = -inf``, is named here)
+            elif not produced and not leaves and (len(masks) > found or _masks_here(rec)):
+                # -Inf only where a mask made it: added (``scores + mask``) or written here (``masked_fill(m, -inf)``)
+                if len(masks) == found:
+                    masks.append(("record", current))
                 current, transition = under
                 del path[path.index(current) + 1:]
                 break
@@ -673,6 +676,12 @@ def walk(session: Session, start: int) -> dict:
         break
     path.reverse()
     return {"origin": current, "transition": transition, "path": path, "masks": masks, "entered": entered}
+
+
+def _masks_here(rec: OpRecord) -> bool:
+    """Whether the op wrote -Inf given as a Python number, and no other non-finite number: a mask written into the
+    scores (``scores.masked_fill(pad, -inf)``, ``torch.where(keep, scores, -inf)``)."""
+    return bool(rec.numbers) and all(n == -math.inf for n in rec.numbers)
 
 
 def _best(candidates: list, here: str | None, kinds_of: Any) -> Any:
