@@ -129,7 +129,9 @@ def from_caller(frame: Any) -> Any:
     except Exception:  # (an interpreter whose code objects differ): the op is called as before, only the place differs
         logging.getLogger("ampguard").debug("ampguard: no call frame for %s", code.co_filename, exc_info=True)
         call = _call_here
-    if len(CALLERS) >= MAX_CALLERS:
+    if len(CALLERS) >= MAX_CALLERS:  # (loss code made anew at every step, by exec): start again, holding nothing
+        for old in CALLERS.values():
+            _internal_code.pop(id(old.__code__), None)
         CALLERS.clear()
     CALLERS[key] = call
     return call
