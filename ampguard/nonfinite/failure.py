@@ -332,7 +332,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                               "  It entered"))
         op = module = None
     else:
-        masked = bool(result["masks"]) and result["path"][0] == result["origin"]
+        masked = _made_from_a_mask(result)
         finite = "inputs finite but for a mask" if masked else "inputs finite"
         masked_row = masked and _NORMALIZES.search(label) is not None
         if rec.numbers:
@@ -348,7 +348,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append(_became(g, window, records[result["transition"]]))
     lines.extend(_masks(session, names, result["masks"]))
     on_purpose = any(n != n for n in rec.numbers) if entered is None else \
-        rec.name.startswith("aten.lift_fresh") and "nan" in entered[1]
+        _a_constant(rec) and "nan" in entered[1]
     if on_purpose and kind == "nan" and p.sink.startswith("output"):
         lines.append("  Your code wrote this NaN itself. If it is on purpose (a marker for missing values that a "
                      "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
@@ -377,7 +377,7 @@ def _entered(g: _guard.Guard, session: replay.Session, names: dict, rec: Any, en
     in the code, the data, a parameter (and the step that made it) or buffer. ``where``: ' in module .. at ..'."""
     tensor, kinds = entered[0](), report.kinds_words(entered[1])
     label = _label(rec)[0]
-    if rec.name.startswith("aten.lift_fresh"):  # a Python number or a literal, made a tensor where the code ran
+    if _a_constant(rec):
         by = report.op_name(rec.fn) if rec.fn is not None else label
         lines = [f"{lead} already non-finite ({kinds}): a constant in your code (a Python number or a tensor "
                  f"literal), given to {by}{where}"]
@@ -390,6 +390,16 @@ def _entered(g: _guard.Guard, session: replay.Session, names: dict, rec: Any, en
     if tensor is not None:
         lines.append(f"  input: {report.describe_tensor(tensor)}")
     return lines
+
+
+def _a_constant(rec: Any) -> bool:
+    """Whether the op made a Python number or a literal a tensor where the code ran (``torch.tensor(nan)``)."""
+    return rec.name.startswith("aten.lift_fresh")
+
+
+def _made_from_a_mask(walked: dict) -> bool:
+    """Whether the walk's origin made its value from inputs finite but for the masks it passed."""
+    return bool(walked["masks"]) and walked["path"][0] == walked["origin"]
 
 
 _NORMALIZES = re.compile(r"softmax|logsumexp|scaled_dot_product_attention|multi_head_attention")
@@ -558,8 +568,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
                          f"{in_module} at\n    {report.where(own)}{called}", f"{_FORWARD_MET} it entered")
         op = module = None
     else:
-        finite = "inputs finite but for a mask" if walked["masks"] and walked["path"][0] == walked["origin"] else \
-            "inputs finite"
+        finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
                  f"\n    {report.where(own)}{called}"]
     if walked["transition"] is not None:
