@@ -458,3 +458,52 @@ def test_disabled_option_leaves_schedulers_alone():
         warnings.simplefilter("always")
         scaled_loop(one_cycle, 6, (0,))
     assert any("before `optimizer.step()`" in str(w.message) for w in caught)
+
+
+def test_the_usual_update_taken_without_a_read_keeps_the_scalers_scale_and_the_schedule(monkeypatch):
+    """A clean update() after a clean one is counted and predicted without _resolve (the usual update's shortcut).
+    Through its growth, a NaN loss raised at its read, a skip after it and a step() that the user replaces on the
+    optimizer halfway, ampguard's scale is the scaler's at every update, and the scheduler is held exactly at the
+    two skipped steps."""
+    from ampguard import schedulers
+
+    taken = []
+    shortcut = schedulers._applied_as_predicted
+    monkeypatch.setattr(schedulers, "_applied_as_predicted", lambda *a: taken.append(shortcut(*a)) or taken[-1])
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = S.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    hook = Overflow(m[0].weight, {9})
+    errors = 0
+    with ampguard.guard() as g:
+        for i in range(16):
+            hook.i = i
+            if i == 12:
+                opt.step = _own_step(opt)
+            x, y = data(i)
+            loss = torch.nn.functional.mse_loss(m(x), y) * (float("nan") if i == 6 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            try:
+                scaler.update()
+            except ampguard.NonFiniteError:
+                errors += 1
+            assert g.stats.loss_scale == scaler.get_scale(), i
+            sched.step()
+            opt.zero_grad()
+    assert errors == 1
+    assert True in taken and False in taken
+    # the NaN loss made NaN gradients, so the scaler skipped that step as it skipped the overflow at 9
+    assert g.stats.optimizer_steps_skipped == 2 and g.stats.scheduler_steps_held == 2
+    assert sched.last_epoch == 16 - 2
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def _own_step(opt):
+    step = type(opt).step.__get__(opt)
+
+    def own_step(*args, **kwargs):
+        return step(*args, **kwargs)
+
+    return own_step
