@@ -66,28 +66,30 @@ class ObjectState(Generic[V]):
 
     def __init__(self, factory: Callable[[Any], V]) -> None:
         self._factory = factory
-        self._data: dict[int, tuple[weakref.ref, V]] = {}
+        # id(obj) -> (weakref to obj, its state). The hooks that ask at every step read it directly, as get() and
+        # of() do, without a Python call: an entry counts only where its weakref still gives obj.
+        self.entries: dict[int, tuple[weakref.ref, V]] = {}
 
     def get(self, obj: Any) -> V | None:
-        entry = self._data.get(id(obj))
+        entry = self.entries.get(id(obj))
         if entry is not None and entry[0]() is obj:
             return entry[1]
         return None
 
     def by_id(self, key: int) -> Any:
         """The live object whose ``id()`` is ``key``, if this state has one."""
-        entry = self._data.get(key)
+        entry = self.entries.get(key)
         return entry[0]() if entry is not None else None
 
     def of(self, obj: Any) -> V:
-        entry = self._data.get(id(obj))  # (get() written out: several hooks ask at every step)
+        entry = self.entries.get(id(obj))  # (get() written out: several hooks ask at every step)
         if entry is not None and entry[0]() is obj:
             return entry[1]
         return self.set(obj, self._factory(obj))
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)
-        data = self._data
+        data = self.entries
 
         def drop(ref: weakref.ref, key: int = key) -> None:
             entry = data.get(key)
@@ -99,12 +101,12 @@ class ObjectState(Generic[V]):
 
     def items(self) -> list[tuple[Any, V]]:
         """The (object, value) pairs whose object is still alive."""
-        return [(obj, value) for ref, value in list(self._data.values()) if (obj := ref()) is not None]
+        return [(obj, value) for ref, value in list(self.entries.values()) if (obj := ref()) is not None]
 
     def pop(self, obj: Any) -> V | None:
         value = self.get(obj)
         if value is not None:
-            del self._data[id(obj)]
+            del self.entries[id(obj)]
         return value
 
 

@@ -150,8 +150,11 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
     t = tables(g)
-    record = t.scalers.of(scaler)
-    opt_record = t.optimizers.of(optimizer)
+    # (ObjectState.of written out, here and below where every step asks: an entry is (weakref, state))
+    entry = t.scalers.entries.get(id(scaler))
+    record = entry[1] if entry is not None and entry[0]() is scaler else t.scalers.of(scaler)
+    entry = t.optimizers.entries.get(id(optimizer))
+    opt_record = entry[1] if entry is not None and entry[0]() is optimizer else t.optimizers.of(optimizer)
     if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
     own = getattr(optimizer, "__dict__", _NO_DICT).get("step")  # (an LR scheduler's call tracker, a user's step)
@@ -406,7 +409,9 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    record = tables(g).scalers.of(scaler)
+    scalers = tables(g).scalers
+    entry = scalers.entries.get(id(scaler))
+    record = entry[1] if entry is not None and entry[0]() is scaler else scalers.of(scaler)
     # A check that rode on this iteration's read and failed (NonFiniteError) is raised once the iteration is
     # counted and its scale predicted: update() runs before the error reaches the user (see _scaler_update), and a
     # loop that catches it goes on with the scale, the skip count and the history as the scaler has them.
@@ -589,8 +594,12 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     try:
         t = tables(g)
         optimizer = getattr(instance, "optimizer", None)
-        opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
-        snapshot = t.snapshots.get(instance) if opt_record is not None else None
+        entry = t.optimizers.entries.get(id(optimizer))  # (ObjectState.get written out: an entry is (weakref, state))
+        opt_record = entry[1] if entry is not None and entry[0]() is optimizer else None  # None: never through a scaler
+        snapshot = None
+        if opt_record is not None:
+            entry = t.snapshots.entries.get(id(instance))
+            snapshot = entry[1] if entry is not None and entry[0]() is instance else None
         hold = opt_record is not None and _should_hold(g, t, instance, opt_record, snapshot, args, kwargs)
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
