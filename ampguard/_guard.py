@@ -66,30 +66,28 @@ class ObjectState(Generic[V]):
 
     def __init__(self, factory: Callable[[Any], V]) -> None:
         self._factory = factory
-        # id(obj) -> (weakref to obj, its state). The hooks that ask at every step read it directly, as get() and
-        # of() do, without a Python call: an entry counts only where its weakref still gives obj.
-        self.entries: dict[int, tuple[weakref.ref, V]] = {}
+        self._data: dict[int, tuple[weakref.ref, V]] = {}
 
     def get(self, obj: Any) -> V | None:
-        entry = self.entries.get(id(obj))
+        entry = self._data.get(id(obj))
         if entry is not None and entry[0]() is obj:
             return entry[1]
         return None
 
     def by_id(self, key: int) -> Any:
         """The live object whose ``id()`` is ``key``, if this state has one."""
-        entry = self.entries.get(key)
+        entry = self._data.get(key)
         return entry[0]() if entry is not None else None
 
     def of(self, obj: Any) -> V:
-        entry = self.entries.get(id(obj))  # (get() written out: several hooks ask at every step)
+        entry = self._data.get(id(obj))  # (get() written out: several hooks ask at every step)
         if entry is not None and entry[0]() is obj:
             return entry[1]
         return self.set(obj, self._factory(obj))
 
     def set(self, obj: Any, value: V) -> V:
         key = id(obj)
-        data = self.entries
+        data = self._data
 
         def drop(ref: weakref.ref, key: int = key) -> None:
             entry = data.get(key)
@@ -101,12 +99,12 @@ class ObjectState(Generic[V]):
 
     def items(self) -> list[tuple[Any, V]]:
         """The (object, value) pairs whose object is still alive."""
-        return [(obj, value) for ref, value in list(self.entries.values()) if (obj := ref()) is not None]
+        return [(obj, value) for ref, value in list(self._data.values()) if (obj := ref()) is not None]
 
     def pop(self, obj: Any) -> V | None:
         value = self.get(obj)
         if value is not None:
-            del self.entries[id(obj)]
+            del self._data[id(obj)]
         return value
 
 

@@ -67,8 +67,7 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    state = g._state.get(FEATURE)  # (feature_state() written out: asked at every step)
-    return state if state is not None else g.feature_state(FEATURE, _State)
+    return g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):
@@ -95,9 +94,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        iterations = _state(g).iterations
-        entry = iterations.entries.get(id(instance))  # (ObjectState.of written out: an entry is (weakref, state))
-        iteration = entry[1] if entry is not None and entry[0]() is instance else iterations.of(instance)
+        iteration = _state(g).iterations.of(instance)
         states = instance._per_optimizer_states
         previous = iteration.token
         if previous is not states:  # a new iteration (update() replaced the dict): learn the last one's optimizers
@@ -196,8 +193,7 @@ def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if g is None:
         return
     stepped = _state(g).stepped
-    entry = stepped.entries.get(id(optimizer))  # (ObjectState.get written out: every step asks)
-    if entry is not None and entry[0]() is optimizer:
+    if stepped.get(optimizer):
         return
     stepped.of(optimizer)
     message = eps_message(optimizer)

@@ -45,9 +45,6 @@ class OptimizerRecord:
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
     ref: weakref.ref | None = None  # the optimizer, weakly (made once: each step's _PendingStep holds it)
-    # (the optimizer's own step attribute, _decides_by_running for it): asked again only when that attribute changes
-    decides: tuple | None = None
-    pending: bool = False  # stepped through a scaler whose update() may not have counted that step yet
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,8 +84,7 @@ class _Tables:
 
 
 def tables(g: Guard) -> _Tables:
-    t = g._state.get(FEATURE)  # (feature_state() written out: every step asks, three times)
-    return t if t is not None else g.feature_state(FEATURE, _Tables)
+    return g.feature_state(FEATURE, _Tables)
 
 
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
@@ -98,18 +94,13 @@ def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scaler.step") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
         return wrapped(*args, **kwargs)
     ran = _RAN
     ran.optimizer = None
-    counts["scaler.step"] = 1  # (DEPTH.outermost written out, here and in the other two wrappers: every step)
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.step"] = 0
+    result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         optimizer = args[0] if args else kwargs["optimizer"]
         _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
@@ -141,28 +132,18 @@ def _decides_by_running(optimizer: Any) -> bool:
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
-_NO_DICT: dict = {}
-
-
 def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = list(state["found_inf_per_device"].values()) if state else None
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
     t = tables(g)
-    # (ObjectState.of written out, here and below where every step asks: an entry is (weakref, state))
-    entry = t.scalers.entries.get(id(scaler))
-    record = entry[1] if entry is not None and entry[0]() is scaler else t.scalers.of(scaler)
-    entry = t.optimizers.entries.get(id(optimizer))
-    opt_record = entry[1] if entry is not None and entry[0]() is optimizer else t.optimizers.of(optimizer)
+    record = t.scalers.of(scaler)
+    opt_record = t.optimizers.of(optimizer)
     if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
-    own = getattr(optimizer, "__dict__", _NO_DICT).get("step")  # (an LR scheduler's call tracker, a user's step)
-    decides = opt_record.decides
-    if decides is None or decides[0] is not own:
-        decides = opt_record.decides = (own, _decides_by_running(optimizer))
-    record.pending.append(_PendingStep(opt_record.ref, found, ran if decides[1] else None, opt_record))
-    opt_record.pending = True
+    record.pending.append(_PendingStep(opt_record.ref, found, ran if _decides_by_running(optimizer) else None,
+                                       opt_record))
     owner = opt_record.scaler
     if owner is None or owner() is not scaler:
         opt_record.scaler = weakref.ref(scaler)
@@ -172,8 +153,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scaler.update") or not getattr(instance, "_enabled", False):
+    if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
     record = found = None
     try:
@@ -187,11 +167,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
         internal_failure(FEATURE, exc)
-    counts["scaler.update"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scaler.update"] = 0
+    result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     if found is not None:
         raise found.with_traceback(None) from None
     try:
@@ -201,6 +177,37 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return result
+
+
+def _process_group(g: Guard) -> Any:
+    """torch.distributed where ranks may have to agree on skips (the option on, a process group initialized)."""
+    if not g.options.distributed:
+        return None
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def _applied_as_predicted(g: Guard, scaler: Any, record: ScalerRecord, failed: list) -> bool:
+    """Count the usual iteration without _resolve: one optimizer was stepped, its step() ran by the scaler's own
+    decision, and the scale and tracker are what the last update() made them (its prediction, record.next), with
+    no ranks to agree with. Settles the other features' checks as _resolve does (a NonFiniteError goes into
+    ``failed``). False, with nothing done, for anything else; _before_update predicts the next scale either way."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    pending = record.pending
+    if len(pending) != 1 or pending[0].ran is not True or record.iteration_skipped or \
+            _known(record, scaler, pending) is None or _process_group(g) is not None:
+        return False
+    p = pending[0]
+    record.pending = []
+    _, settle = _sync.read([])  # (others' checks may ride on this iteration's read)
+    p.record.applied += 1
+    g.stats.optimizer_steps_applied += 1
+    record.iteration_scale, record.iteration_tracker = record.next
+    try:
+        settle()
+    except NonFiniteError as exc:
+        failed.append(exc)
+    return True
 
 
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, failed: list | None = None) -> \
@@ -217,11 +224,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
-    ranks = None
-    if pending and g.options.distributed:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            ranks = _ranks(dist, scaler)
+    scale = scaler._scale
+    dist = _process_group(g) if pending else None
+    ranks = _ranks(dist, scaler) if dist is not None else None
     found = _known(record, scaler, pending) if ranks is None and extra is None else None
     if found is not None:
         # Every optimizer's step() ran or not by the scaler's own decision, and the scale and tracker are
@@ -229,7 +234,6 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         _, settle = _sync.read([])
         values, i = record.next, 0
     else:
-        scale = scaler._scale
         if ranks is None:
             own = [t for p in pending for t in p.found_inf]
         else:
@@ -248,11 +252,10 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
             found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
     stats = g.stats
     for p, found_inf in zip(pending, found, strict=True):
-        opt_record = p.record
-        opt_record.pending = False
         optimizer = p.optimizer()
         if optimizer is None:
             continue
+        opt_record = p.record
         if found_inf != 0:
             opt_record.skipped += 1
             stats.optimizer_steps_skipped += 1
@@ -409,17 +412,15 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    scalers = tables(g).scalers
-    entry = scalers.entries.get(id(scaler))
-    record = entry[1] if entry is not None and entry[0]() is scaler else scalers.of(scaler)
+    record = tables(g).scalers.of(scaler)
     # A check that rode on this iteration's read and failed (NonFiniteError) is raised once the iteration is
     # counted and its scale predicted: update() runs before the error reaches the user (see _scaler_update), and a
     # loop that catches it goes on with the scale, the skip count and the history as the scaler has them.
     failed: list = []
     if new_scale is None:
-        if _applied_as_predicted(g, scaler, record, failed):
-            return record
-        new_value = _resolve(g, scaler, record, None, failed)
+        new_value = None
+        if not _applied_as_predicted(g, scaler, record, failed):
+            _resolve(g, scaler, record, None, failed)
     elif isinstance(new_scale, sys.modules["torch"].Tensor):
         new_value = _resolve(g, scaler, record, new_scale, failed)
     else:
@@ -456,9 +457,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     else:
         predicted, tracker = scale, tracker + 1
     # (each branch's value is a float32 one: the scale read from its float32 tensor, or rounded above)
-    stats = g.stats
-    if predicted != stats.loss_scale:  # (note_scale()'s own first test, written out: the scale rarely moves)
-        stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
+    g.stats.note_scale(predicted)  # what get_scale() returns after this update(), as update() computes it
     record.next = (predicted, tracker)
     if failed:
         raise failed[0]
@@ -472,58 +471,6 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
                         f"GradScaler skipped the optimizer step {record.consecutive_skips} times in a row "
                         f"(max_consecutive_skips={limit})")
     return record
-
-
-def _applied_as_predicted(g: Guard, scaler: Any, record: ScalerRecord, failed: list) -> bool:
-    """The usual update(), done without a read or the general bookkeeping of _resolve and _before_update: one
-    optimizer was stepped, its step() ran by the scaler's own decision (so nothing was skipped), the last update()
-    let its step through too, and the scale and tracker are what that update() made them, so the scale this one
-    makes is known. Anything else (a skip, several optimizers, ranks that must agree) goes the general way.
-
-    It counts, settles the other features' checks and predicts as the general way does, and like it raises a failed
-    check (NonFiniteError) only after the prediction."""
-    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    pending, after = record.pending, record.after
-    if len(pending) != 1 or after is None or record.consecutive_skips or record.iteration_skipped:
-        return False
-    p = pending[0]
-    scale, tracker = scaler._scale, scaler._growth_tracker
-    if p.ran is not True or scale is not after[0] or scale._version != after[1] or tracker is not after[2] or \
-            tracker._version != after[3]:
-        return False
-    states = scaler._per_optimizer_states  # update() sums every optimizer's found_inf the scaler stepped or unscaled
-    if len(states) != 1 or id(p.optimizer()) not in states:
-        return False
-    if g.options.distributed:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return False
-    record.pending = []
-    _, settle = _sync.read([])  # (others' checks may ride on this iteration's read)
-    opt_record = p.record
-    opt_record.pending = False
-    opt_record.applied += 1
-    stats = g.stats
-    stats.optimizer_steps_applied += 1
-    scale, tracker = record.iteration_scale, record.iteration_tracker = record.next
-    try:
-        settle()
-    except NonFiniteError as exc:
-        failed.append(exc)
-    record.after = record.next = record.iteration_scale = None
-    record.history.append(scale)
-    record.updates += 1
-    if tracker + 1 == scaler._growth_interval:
-        grown = _fp32(scale * scaler._growth_factor)
-        predicted, tracker = (grown if math.isfinite(grown) else scale), 0.0
-    else:
-        predicted, tracker = scale, tracker + 1
-    if predicted != stats.loss_scale:
-        stats.note_scale(predicted)
-    record.next = (predicted, tracker)  # (no skip: the scale stays or grows, finite, and cannot collapse)
-    if failed:
-        raise failed[0]
-    return True
 
 
 def _fp32(x: float) -> float:
@@ -586,20 +533,15 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
 def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g = _guard.current(FEATURE)
-    counts = DEPTH.counts
-    if g is None or counts.get("scheduler.step"):
+    if g is None or DEPTH.counts.get("scheduler.step"):
         # Inside a scheduler step already: the inner schedulers of SequentialLR/ChainedScheduler,
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
     try:
         t = tables(g)
         optimizer = getattr(instance, "optimizer", None)
-        entry = t.optimizers.entries.get(id(optimizer))  # (ObjectState.get written out: an entry is (weakref, state))
-        opt_record = entry[1] if entry is not None and entry[0]() is optimizer else None  # None: never through a scaler
-        snapshot = None
-        if opt_record is not None:
-            entry = t.snapshots.entries.get(id(instance))
-            snapshot = entry[1] if entry is not None and entry[0]() is instance else None
+        opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
+        snapshot = t.snapshots.get(instance) if opt_record is not None else None
         hold = opt_record is not None and _should_hold(g, t, instance, opt_record, snapshot, args, kwargs)
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
@@ -609,11 +551,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if hold:
         g.stats.scheduler_steps_held += 1
         return None
-    counts["scheduler.step"] = 1
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        counts["scheduler.step"] = 0
+    result = DEPTH.outermost("scheduler.step", wrapped, args, kwargs)
     if opt_record is not None:
         try:
             if snapshot is None:
@@ -629,16 +567,13 @@ def _should_hold(g: Guard, t: _Tables, scheduler: Any, opt_record: OptimizerReco
                  args: tuple, kwargs: dict) -> bool:
     """Whether GradScaler skipped every step of the scheduler's optimizer since the scheduler's last step."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    if opt_record.pending:  # (else its steps are all counted: the usual order, update() before the scheduler)
-        scaler = opt_record.scaler() if opt_record.scaler is not None else None
-        record = t.scalers.get(scaler) if scaler is not None else None
-        if record is not None and record.pending and any(p.record is opt_record for p in record.pending):
-            if _follows_no_count(scheduler, args, kwargs):
-                return False
-            # scheduler.step() before scaler.update(): decide now, from the same found_inf.
-            _resolve(g, scaler, record)
-        else:
-            opt_record.pending = False
+    scaler = opt_record.scaler() if opt_record.scaler is not None else None
+    record = t.scalers.get(scaler) if scaler is not None else None
+    if record is not None and record.pending and any(p.record is opt_record for p in record.pending):
+        if _follows_no_count(scheduler, args, kwargs):
+            return False
+        # scheduler.step() before scaler.update(): decide now, from the same found_inf.
+        _resolve(g, scaler, record)
     applied, skipped = snapshot or (0, 0)
     return opt_record.skipped > skipped and opt_record.applied == applied and \
         not _follows_no_count(scheduler, args, kwargs)

@@ -461,7 +461,7 @@ def test_disabled_option_leaves_schedulers_alone():
 
 
 def test_the_usual_update_taken_without_a_read_keeps_the_scalers_scale_and_the_schedule(monkeypatch):
-    """A clean update() after a clean one is counted and predicted without _resolve (the usual update's shortcut).
+    """The usual update() is counted without _resolve (the shortcut) and its scale predicted as every update's is.
     Through its growth, a NaN loss raised at its read, a skip after it and a step() that the user replaces on the
     optimizer halfway, ampguard's scale is the scaler's at every update, and the scheduler is held exactly at the
     two skipped steps."""

@@ -76,7 +76,7 @@ class _Open:
         self.entry: tuple | None = None  # (args, kwargs) as the call was made, before the module's own pre-hooks
 
 
-_here = OPEN = PerThread(_Open)  # (OPEN: for the hooks of sinks that look whether a call is open here)
+_here = PerThread(_Open)
 
 
 def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],

@@ -221,7 +221,6 @@ class _Thread:
 
 
 _here = PerThread(_Thread)
-_OPEN = outermost.OPEN  # the outermost call open in each thread (its .state.root: None where none is)
 
 
 class _ThisThread:
@@ -642,8 +641,7 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    if t.tape is not None:
-        end_tape(t)
+    end_tape(t)
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -893,8 +891,7 @@ def known_root(g: _guard.Guard, module: Any) -> None:
 
 
 def _recover() -> None:
-    """An outermost call that a KeyboardInterrupt left open: close it and drop its checks. (The hooks that run at
-    every step call it only where a call is open in this thread: ``_OPEN.state.root`` is set.)"""
+    """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
     if outermost.recover():
         forget_calls()
         drop()
@@ -1071,10 +1068,8 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     try:
-        if _OPEN.state.root is not None:
-            _recover()
-        if t.tape is not None:  # (end_tape()'s own first test, here and below where every step passes)
-            end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
+        _recover()
+        end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
         _add_losses(g, args[0] if args else kwargs.get("tensors"), plain=False)
         t.backward_since_read = True
         t.passing = False
@@ -1253,8 +1248,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     g = _guard.current(FEATURE)
     t = _here.state
     if g is not None and not t.replaying:
-        if t.tape is not None:
-            end_tape(t)  # the loss code ends here: the scaler's own ops are not the user's
+        end_tape(t)  # the loss code ends here: the scaler's own ops are not the user's
         if t.snapshots:
             t.snapshots = {}  # GradScaler decides this step (and may never call step()): skip mode's copy is moot
     out = wrapped(*args, **kwargs)
@@ -1352,10 +1346,8 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     g = _guard.current(FEATURE)
     if g is None or t.replaying:
         return None
-    if _OPEN.state.root is not None:
-        _recover()
-    if t.tape is not None:
-        end_tape(t)
+    _recover()
+    end_tape(t)
     while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in t.hidden.pop()[1]:
             param.grad = grad
@@ -1718,8 +1710,7 @@ def _finite_after_all(p: Pending) -> bool:
 
 def _clear_window() -> None:
     t = _here.state
-    if t.tape is not None:
-        end_tape(t)
+    end_tape(t)
     t.resume_tape = False
     t.window = []
     t.produced = {}
@@ -1740,8 +1731,7 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    if t.tape is not None:
-        end_tape(t)  # the read's own ops are not the user's loss code
+    end_tape(t)  # the read's own ops are not the user's loss code
     if t.pending or t.window or t.agree is not None:  # (at a skip-mode step every rank reads: the flag)
         _sync.read([])[1]()  # (it ends the window, also with nothing left to read)
 
