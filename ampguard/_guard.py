@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
-from . import _fallback, _options
+from . import _fallback, _options, _sync
 from ._errors import AmpGuardError
 from ._patching import REGISTRY, Target
 
@@ -203,9 +203,9 @@ _last_rank = ""  # the label while the process group was last up (see _remember_
 
 def _live_rank_label() -> str:
     """`` (rank 1 of 2)`` while a process group of more than one rank is up, else ""."""
-    dist = sys.modules.get("torch.distributed")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist = _sync.process_group()
+        if dist is not None and dist.get_world_size() > 1:
             return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
     except Exception:
         pass

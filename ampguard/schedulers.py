@@ -181,10 +181,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 def _process_group(g: Guard) -> Any:
     """torch.distributed where ranks may have to agree on skips (the option on, a process group initialized)."""
-    if not g.options.distributed:
-        return None
-    dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    return _sync.process_group() if g.options.distributed else None
 
 
 def _applied_as_predicted(g: Guard, scaler: Any, record: ScalerRecord, failed: list) -> bool:

@@ -7,6 +7,7 @@ counts only inside the measured steps (``--toggle-collect`` on the one builtin t
 
     python benchmarks/instructions.py                     # tiny and Lightning, every configuration
     python benchmarks/instructions.py --only tiny --configs plain,default
+    python benchmarks/instructions.py --only rollout      # two no_grad inference calls a step
     python benchmarks/instructions.py --dry-run           # print the commands (no valgrind needed)
 
 Needs ``valgrind`` on PATH; about two minutes per configuration (torch's import under valgrind),
@@ -35,7 +36,7 @@ CONFIGS = {
     "nonfinite='skip'": {"nonfinite": "skip"},
 }
 SHORT = {"plain": "plain", "off": "nonfinite='off'", "default": "install() (default)", "skip": "nonfinite='skip'"}
-WORKLOADS = ("tiny", "lightning")
+WORKLOADS = ("tiny", "lightning", "rollout")
 
 
 def child(workload: str, config: str, steps: int) -> None:
@@ -50,8 +51,8 @@ def child(workload: str, config: str, steps: int) -> None:
     options = CONFIGS[config]
     block = contextlib.nullcontext() if options is None else ampguard.guard(**options)
     with block:
-        if workload == "tiny":
-            step = overhead.tiny()
+        if workload in ("tiny", "rollout"):
+            step = overhead.tiny() if workload == "tiny" else overhead.rollout()
             for _ in range(20):
                 step()
             _settle_garbage()
@@ -88,14 +89,14 @@ def count(workload: str, config: str, steps: int) -> int:
 
 def per_step(workload: str, config: str, steps: int) -> float:
     """Instructions per step. A Lightning fit also sets a trainer up: the difference of two fits."""
-    if workload == "tiny":
+    if workload != "lightning":
         return count(workload, config, steps) / steps
     return (count(workload, config, steps + 10) - count(workload, config, 10)) / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(WORKLOADS), help="tiny,lightning")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="tiny,lightning,rollout")
     parser.add_argument("--configs", default=",".join(SHORT), help="plain,off,default,skip")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from .. import _sync
 from . import sinks
 from .sinks import Call, Ref, T, TapeOp
 
@@ -266,8 +267,8 @@ def unsafe(call: Call) -> str | None:
 
 
 def _distributed() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    dist = _sync.process_group()
+    return dist is not None and dist.get_world_size() > 1
 
 
 # -- running the window ----------------------------------------------------------------------

@@ -281,9 +281,15 @@ def shape_of(tensor: Any) -> tuple:
 
 
 def norm(tensor: Any) -> Any:
-    """The 2-norm status of one tensor, in float32 (float64 for float64): one bandwidth pass."""
-    t = stored(tensor.detach())
-    return _torch.linalg.vector_norm(t, 2, dtype=t.dtype if t.dtype == _torch.float64 else _torch.float32)
+    """The 2-norm status of one tensor, in float32 (float64 for float64): one bandwidth pass. (No detach() of a tensor
+    without grad, and no dtype argument where the tensor has the status's dtype: each costs as much as the norm of a
+    small inference output, read at every call.)"""
+    t = stored(tensor.detach() if tensor.requires_grad else tensor)
+    torch = _torch
+    dtype = t.dtype
+    if dtype is torch.float32 or dtype is torch.float64:
+        return torch.linalg.vector_norm(t, 2)
+    return torch.linalg.vector_norm(t, 2, dtype=torch.float32)
 
 
 def _norms(tensors: list) -> list:
@@ -1513,8 +1519,8 @@ def _agreeing_group(g: _guard.Guard) -> Any:
     """In a distributed run where every rank is guarded, the default group (every rank skips together)."""
     if not g.options.distributed:
         return None
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    dist = _sync.process_group()
+    if dist is None:
         return None
     world = dist.get_world_size()
     if world <= 1 or not schedulers._every_rank_guarded(dist, None, world):
@@ -1732,8 +1738,12 @@ def check() -> None:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
     end_tape(t)  # the read's own ops are not the user's loss code
-    if t.pending or t.window or t.agree is not None:  # (at a skip-mode step every rank reads: the flag)
-        _sync.read([])[1]()  # (it ends the window, also with nothing left to read)
+    if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads: the flag)
+        _sync.read([])[1]()  # (it ends the window too)
+    elif t.window and _guard.current(FEATURE) is not None:
+        # Nothing to read (an inference loop's finite outputs were read as they were made): the read would only end
+        # the window, through every participant's bookkeeping, at each batch of an inference or evaluation loop.
+        _clear_window()
 
 
 def forget_calls() -> None:
