@@ -612,3 +612,22 @@ def test_a_corrupt_sample_transformed_in_the_main_process_is_named_as_the_models
     assert info.value.sink == "loss" and info.value.op is None, message
     assert "It entered already non-finite (NaN): argument 0 of the call of 'Sequential'" in message, message
     assert "input: shape (8, 3, 4, 4), torch.float32; 48 NaN" in message, message
+
+
+def test_an_inference_loop_holds_one_batch_and_still_names_a_nan_output():
+    """Each batch of a no_grad loop ends the one before (finite outputs are read as they are made, so no read is
+    left to make), and a NaN output is still read at the next call and named by its replay."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(4, 8))
+            assert [type(e) for e in sinks.T.window] == [sinks.Call] and sinks.T.pending == []
+        model[2].bias[1] = float("nan")
+        model(torch.randn(4, 8))
+        assert len(sinks.T.pending) == 1  # known at once, read at the next call of the model
+        with pytest.raises(ampguard.NonFiniteError) as caught:
+            model(torch.randn(4, 8))
+    message = str(caught.value)
+    assert "parameter '2.bias'" in message and "inside torch.linear in module '2'" in message
