@@ -44,17 +44,10 @@ def host_value(scalar: Any) -> float | None:
 
 
 def process_group() -> Any:
-    """torch.distributed where its default process group is up, else None: asked at every GradScaler update().
-    torch's ``is_available()`` and ``is_initialized()`` reach the group through two functions and two class
-    properties, which cost more than the rest of a small step's update() bookkeeping; where this torch keeps the
-    group where those read it (``distributed_c10d._world._default_pg``, 2.0 and later), it is read there."""
+    """torch.distributed where its default process group is up, else None: whether ranks may have to agree (asked at
+    every GradScaler update()), and whether a failure path may run a collective."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    world = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world", None)
-    if world is not None and "_default_pg" in getattr(world, "__dict__", ()):
-        return dist if world._default_pg is not None else None
-    return dist if dist.is_available() and dist.is_initialized() else None
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:

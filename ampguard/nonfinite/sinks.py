@@ -282,8 +282,8 @@ def shape_of(tensor: Any) -> tuple:
 
 def norm(tensor: Any) -> Any:
     """The 2-norm status of one tensor, in float32 (float64 for float64): one bandwidth pass. (No detach() of a tensor
-    without grad, and no dtype argument where the tensor has the status's dtype: each costs as much as the norm of a
-    small inference output, read at every call.)"""
+    without grad, and no dtype argument where the tensor has the status's dtype: on a small inference output, read
+    at every call, the two made the status and its read take 17 us in place here instead of 12.)"""
     t = stored(tensor.detach() if tensor.requires_grad else tensor)
     torch = _torch
     dtype = t.dtype
