@@ -184,29 +184,6 @@ def _process_group(g: Guard) -> Any:
     return _sync.process_group() if g.options.distributed else None
 
 
-def _applied_as_predicted(g: Guard, scaler: Any, record: ScalerRecord, failed: list) -> bool:
-    """Count the usual iteration without _resolve: one optimizer was stepped, its step() ran by the scaler's own
-    decision, and the scale and tracker are what the last update() made them (its prediction, record.next), with
-    no ranks to agree with. Settles the other features' checks as _resolve does (a NonFiniteError goes into
-    ``failed``). False, with nothing done, for anything else; _before_update predicts the next scale either way."""
-    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    pending = record.pending
-    if len(pending) != 1 or pending[0].ran is not True or record.iteration_skipped or \
-            _known(record, scaler, pending) is None or _process_group(g) is not None:
-        return False
-    p = pending[0]
-    record.pending = []
-    _, settle = _sync.read([])  # (others' checks may ride on this iteration's read)
-    p.record.applied += 1
-    g.stats.optimizer_steps_applied += 1
-    record.iteration_scale, record.iteration_tracker = record.next
-    try:
-        settle()
-    except NonFiniteError as exc:
-        failed.append(exc)
-    return True
-
-
 def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, failed: list | None = None) -> \
         float | None:
     """Read the pending optimizers' found_inf and the scale, in one transfer; count the steps.
@@ -414,15 +391,11 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     # counted and its scale predicted: update() runs before the error reaches the user (see _scaler_update), and a
     # loop that catches it goes on with the scale, the skip count and the history as the scaler has them.
     failed: list = []
-    if new_scale is None:
-        new_value = None
-        if not _applied_as_predicted(g, scaler, record, failed):
-            _resolve(g, scaler, record, None, failed)
-    elif isinstance(new_scale, sys.modules["torch"].Tensor):
+    if isinstance(new_scale, sys.modules["torch"].Tensor):
         new_value = _resolve(g, scaler, record, new_scale, failed)
     else:
         _resolve(g, scaler, record, None, failed)
-        new_value = float(new_scale)
+        new_value = None if new_scale is None else float(new_scale)
     record.after = record.next = None  # set again once this update() is done, if it was predicted
 
     scale = record.iteration_scale

@@ -461,15 +461,21 @@ def test_disabled_option_leaves_schedulers_alone():
 
 
 def test_the_usual_update_taken_without_a_read_keeps_the_scalers_scale_and_the_schedule(monkeypatch):
-    """The usual update() is counted without _resolve (the shortcut) and its scale predicted as every update's is.
-    Through its growth, a NaN loss raised at its read, a skip after it and a step() that the user replaces on the
-    optimizer halfway, ampguard's scale is the scaler's at every update, and the scheduler is held exactly at the
-    two skipped steps."""
+    """The usual update() is counted without reading the scaler (its skips, scale and tracker known from the last
+    update's prediction) and its scale predicted as every update's is. Through its growth, a NaN loss raised at its
+    read, a skip after it and a step() that the user replaces on the optimizer halfway, ampguard's scale is the
+    scaler's at every update, and the scheduler is held exactly at the two skipped steps."""
     from ampguard import schedulers
 
     taken = []
-    shortcut = schedulers._applied_as_predicted
-    monkeypatch.setattr(schedulers, "_applied_as_predicted", lambda *a: taken.append(shortcut(*a)) or taken[-1])
+    known = schedulers._known
+
+    def seen(*args):
+        found = known(*args)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(schedulers, "_known", seen)
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = S.LambdaLR(opt, lambda step: 1.0 / (step + 1))

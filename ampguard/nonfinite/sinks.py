@@ -1517,9 +1517,7 @@ def _restore_buffers() -> None:
 
 def _agreeing_group(g: _guard.Guard) -> Any:
     """In a distributed run where every rank is guarded, the default group (every rank skips together)."""
-    if not g.options.distributed:
-        return None
-    dist = _sync.process_group()
+    dist = schedulers._process_group(g)
     if dist is None:
         return None
     world = dist.get_world_size()
