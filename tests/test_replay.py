@@ -367,6 +367,24 @@ def test_an_op_inside_a_torch_python_function_is_placed_at_the_line_that_called_
     assert "functional.py" not in str(err).split("\n")[3]  # the line under "It was created by ..."
 
 
+def test_a_loss_code_op_is_replayed_with_its_keyword_arguments():
+    """Every label of the batch is the one ignored: the mean over no label is NaN. The record holds the call's keyword
+    arguments as given (numbers, strings and None are held without a copy); replayed with the default
+    ``ignore_index=-100`` the loss would be finite, and no op would be found."""
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 8)), labels, ignore_index=0).backward()  # IGNORED
+        opt.step()  # (the loss is gone: the replay computes it again)
+    err = info.value
+    assert err.op == "aten.nll_loss_forward" and err.sink == "loss", str(err)
+    assert "inside torch.nn.functional.cross_entropy" in str(err)
+    assert err.origin[-1].lineno == line_of(test_a_loss_code_op_is_replayed_with_its_keyword_arguments, "IGNORED")
+
+
 def normalise_gradient(grad):
     return grad / grad.norm()  # a parameter no gradient reaches: 0 / 0
 

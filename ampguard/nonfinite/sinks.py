@@ -436,6 +436,17 @@ def weak(value: Any, data: bool) -> Any:
 _ATOMS = frozenset({type(None), bool, int, float, str})
 
 
+def weak_kwargs(kwargs: dict, data: bool) -> dict:
+    """A call's keyword arguments, held as :func:`weak` holds them. The dict is made for the call (by the call's
+    ``**``, or by torch for ``__torch_function__``) and nothing keeps it to change it, so where every value is a
+    number, a string or None (``F.cross_entropy``'s six, ``reduction='mean'``) it is held as it is: no copy, no
+    call per value."""
+    for value in kwargs.values():
+        if type(value) not in _ATOMS:
+            return weak(kwargs, data)
+    return kwargs
+
+
 def _weak_one(value: Any, data: bool, produced: dict) -> Any:
     if type(value) in _ATOMS:
         return value
@@ -801,7 +812,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
     # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
-    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry,
+    call = Call(module, weak(args, training), weak_kwargs(kwargs, training) if kwargs else kwargs, entry,
                 _made(t, outputs, index))
     if index >= 0:
         call.index = index
@@ -833,7 +844,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # module), so that the replay can run it. Evaluation loops free each batch before the next call; on a
         # device the read is that next call's, and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
-        call.kwargs = weak(kwargs, True) if kwargs else kwargs
+        call.kwargs = weak_kwargs(kwargs, True) if kwargs else kwargs
     known_root(g, module)
     if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
@@ -976,9 +987,9 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
         if frame is None:
             break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
-    weak_kwargs = weak(kwargs, True) if kwargs else kwargs
+    held_kwargs = weak_kwargs(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
-    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
+    window.append(TapeOp(func, weak_args, held_kwargs, refs, tuple(frames),
                          _autocast_state(), _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
