@@ -198,7 +198,6 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
-    scale = scaler._scale
     dist = _process_group(g) if pending else None
     ranks = _ranks(dist, scaler) if dist is not None else None
     found = _known(record, scaler, pending) if ranks is None and extra is None else None
@@ -208,6 +207,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         _, settle = _sync.read([])
         values, i = record.next, 0
     else:
+        scale = scaler._scale
         if ranks is None:
             own = [t for p in pending for t in p.found_inf]
         else:

@@ -415,36 +415,29 @@ def weak(value: Any, data: bool) -> Any:
 
     With ``data``, a tensor without autograd history that the window did not make (a batch, a
     target, a mask) is kept as it is, until the read: a replay needs it, its size is the batch's,
-    and autograd usually holds it through backward anyway. Every other tensor is held weakly.
+    and autograd usually holds it through backward anyway. Every other tensor is held weakly. A dict of numbers,
+    strings and None only (most keyword arguments: ``reduction="mean"``) is held as it is, as any other object
+    without a tensor is: no copy, no call per value.
     """
-    t = _here.state
     kind = type(value)
     if kind is tuple or kind is list:
         if not value:
             return value
-        produced = t.produced
+        produced = _here.state.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
             out.append(_weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
-        produced = t.produced
-        return {k: _weak_one(v, data, produced) for k, v in value.items()} if value else value
-    return _weak_one(value, data, t.produced)
+        for item in value.values():
+            if type(item) not in _ATOMS:
+                produced = _here.state.produced
+                return {k: _weak_one(v, data, produced) for k, v in value.items()}
+        return value
+    return _weak_one(value, data, _here.state.produced)
 
 
 _ATOMS = frozenset({type(None), bool, int, float, str})
-
-
-def weak_kwargs(kwargs: dict, data: bool) -> dict:
-    """A call's keyword arguments, held as :func:`weak` holds them. The dict is made for the call (by the call's
-    ``**``, or by torch for ``__torch_function__``) and nothing keeps it to change it, so where every value is a
-    number, a string or None (``F.cross_entropy``'s six, ``reduction='mean'``) it is held as it is: no copy, no
-    call per value."""
-    for value in kwargs.values():
-        if type(value) not in _ATOMS:
-            return weak(kwargs, data)
-    return kwargs
 
 
 def _weak_one(value: Any, data: bool, produced: dict) -> Any:
@@ -812,7 +805,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
     # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
-    call = Call(module, weak(args, training), weak_kwargs(kwargs, training) if kwargs else kwargs, entry,
+    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry,
                 _made(t, outputs, index))
     if index >= 0:
         call.index = index
@@ -844,7 +837,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # module), so that the replay can run it. Evaluation loops free each batch before the next call; on a
         # device the read is that next call's, and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
-        call.kwargs = weak_kwargs(kwargs, True) if kwargs else kwargs
+        call.kwargs = weak(kwargs, True) if kwargs else kwargs
     known_root(g, module)
     if g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
@@ -987,9 +980,9 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
         if frame is None:
             break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
-    held_kwargs = weak_kwargs(kwargs, True) if kwargs else kwargs
+    weak_kwargs = weak(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
-    window.append(TapeOp(func, weak_args, held_kwargs, refs, tuple(frames),
+    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
                          _autocast_state(), _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
