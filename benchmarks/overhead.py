@@ -10,7 +10,7 @@ replay (the failure path) on the GPT-2-style model.
     python benchmarks/overhead.py --quick              # seconds: a smoke run for the tests
     python benchmarks/overhead.py --only gpt2-small    # GPU: GPT-2-small size, fp16 autocast + GradScaler
     python benchmarks/overhead.py --only mlp,conv      # the parameter-heavy workloads
-    python benchmarks/overhead.py --only scaling       # ms per step against parameters, us per module call
+    python benchmarks/overhead.py --only scaling       # ms per step against parameters, us per module call and tensor
     python benchmarks/overhead.py --only memory        # peak memory of a step whose logits the user drops
 
 Timings use one torch thread on CPU (``--threads``), as the figures in the README do: with
@@ -344,7 +344,8 @@ def replay_time(step, reps=3):
 
 # -- scaling ----------------------------------------------------------------------------------------
 def scaling(reps, quick):
-    """ms added per step as parameters grow; us added per module call as calls per step grow."""
+    """ms added per step as parameters grow; us added per module call as calls per step grow, and per parameter tensor
+    as the tensors (small layers) grow."""
     print("\nscaling: default guard against plain, interleaved (median of reps)")
     print("  parameters   plain ms/step   added ms/step   ratio")
     widths = [(512, "1.1M"), (1024, "4.2M"), (2048, "16.8M"), (4096, "50.3M")] if not quick else [(64, "17k")]
@@ -373,6 +374,24 @@ def scaling(reps, quick):
         plain = statistics.median(m["plain"])
         ratio = statistics.median(ratios(m, "install() (default)"))
         print(f"  {n:12d}   {plain / n * 1e6:13.2f}   {(ratio - 1) * plain / n * 1e6:13.2f}   {ratio:5.2f}x")
+    print("  parameter tensors   plain us/tensor   added us/tensor   ratio")
+    for layers in ([5, 50, 250] if not quick else [5]):
+        torch.manual_seed(0)
+        # small layers: the count of gradients varies (a pass over them costs per tensor, not per byte, here)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers))).to(DEVICE)
+        n = 2 * layers
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        x = torch.randn(2, 8, device=DEVICE)
+
+        def step(model=model, opt=opt, x=x):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
+        plain = statistics.median(m["plain"])
+        ratio = statistics.median(ratios(m, "install() (default)"))
+        print(f"  {n:17d}   {plain / n * 1e6:15.2f}   {(ratio - 1) * plain / n * 1e6:15.2f}   {ratio:5.2f}x")
 
 
 # -- memory -----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
     ("core_overhead.py", ["--reps", "1", "--steps", "3"], "installed:"),
     ("overhead.py", ["--quick"], "one replay on failure"),
     ("overhead.py", ["--quick", "--only", "memory"], "guard"),
+    ("overhead.py", ["--quick", "--only", "scaling"], "10 "),  # the parameter tensors row
     ("floor.py", ["--quick"], "floor:"),
     ("added_ops.py", ["--workload", "tiny", "--steps", "3"], "device-to-host copies and syncs:"),
     ("distributed_overhead.py", ["--reps", "1", "--steps", "2", "--width", "8"], "all_reduce of the 2x1 table"),

@@ -173,15 +173,71 @@ def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reduced = []
-    original = sinks._norms
-    monkeypatch.setattr(sinks, "_norms", lambda tensors: reduced.append(len(tensors)) or original(tensors))
+    norms, flat_norm = sinks._norms, sinks._flat_norm
+    monkeypatch.setattr(sinks, "_norms", lambda tensors: reduced.append(len(tensors)) or norms(tensors))
+    monkeypatch.setattr(sinks, "_flat_norm", lambda torch, tensors: reduced.append(len(tensors)) or
+                        flat_norm(torch, tensors))
     model(torch.randn(4, 8)).sum().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     assert reduced == []  # the loss and clip_grad_norm_'s total norm are scalars: no pass at all
     model(torch.randn(4, 8)).sum().backward()
-    opt.step()  # no clip this time: one pass over the 4 gradients (the loss is its own status)
+    opt.step()  # no clip this time: one pass over the 4 gradients (the loss is its own status), small: one buffer
     assert reduced == [4]
+
+
+class ManyTensors(torch.nn.Module):
+    """A model's shape of gradients: many small ones (biases, small layers), a large one, and another dtype."""
+
+    def __init__(self, layers=40):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                            for _ in range(layers)))
+        self.wide = torch.nn.Linear(16, 512)  # 8,192 weights: past SMALL, its own norm
+        self.head = torch.nn.Linear(512, 1).double()
+
+    def forward(self, x):
+        return self.head(self.wide(self.blocks(x)).double())
+
+
+@pytest.mark.parametrize("chunk", [sinks.CHUNK, 600])
+def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_named(monkeypatch, read_path, chunk):
+    """On the CPU a foreach norm is a kernel per tensor: the small gradients of one dtype are copied into buffers
+    of at most CHUNK elements and normed once each. Every gradient is still read: a NaN in the last small tensor of
+    the last buffer, in the large one, or in another dtype's is named."""
+    monkeypatch.setattr(sinks, "CHUNK", chunk)
+    g = ampguard.install()
+    model = ManyTensors()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffers, single = [], []
+    norms, flat_norm = sinks._norms, sinks._flat_norm
+    monkeypatch.setattr(sinks, "_norms", lambda tensors: single.append(len(tensors)) or norms(tensors))
+    monkeypatch.setattr(sinks, "_flat_norm", lambda torch, tensors: buffers.append(sum(t.numel() for t in tensors))
+                        or flat_norm(torch, tensors))
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    small = 40 * (16 * 16 + 16) + 512  # the blocks' 80 tensors and the wide layer's bias, float32
+    if read_path == "host":
+        assert sum(buffers) == small and all(n <= chunk + 16 * 16 for n in buffers)
+        assert len(buffers) == 1 if chunk > small else len(buffers) > small // (chunk + 16 * 16)
+        assert single == [3]  # the wide weight and the float64 head's two
+    else:  # a device's path: one foreach kernel for all
+        assert buffers == [] and single == [84]
+    for name in ("blocks.39.0.bias", "wide.weight", "head.bias"):
+        param = model.get_parameter(name)
+        handle = param.register_hook(lambda grad: grad * float("nan"))
+        before = param.detach().clone()
+        model(x).sum().backward()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            opt.step()
+        assert info.value.sink == f"gradient of parameter '{name}'", name
+        assert torch.equal(param, before)  # read before the update
+        handle.remove()
+        opt.zero_grad()
+    assert g.stats.nonfinite_detected == 3
 
 
 def test_a_nan_gradient_is_caught_through_the_clip_norm_and_named():

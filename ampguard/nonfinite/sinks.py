@@ -310,6 +310,50 @@ def _norms(tensors: list) -> list:
         torch._C._set_grad_enabled(enabled)
 
 
+# On the CPU torch's foreach norm runs one kernel per tensor, some 3 us each however small the tensor (biases and norm
+# layers' weights are half of a model's tensors). Copied into one buffer, the small ones of a dtype cost one norm:
+# about 1 us a tensor. Past SMALL elements the copy costs more than the kernel it saves; a buffer holds at most CHUNK
+# elements (4 MB of float32), freed at once.
+SMALL = 4096
+CHUNK = 1 << 20
+
+
+def _gradient_statuses(grads: list) -> tuple[list, list]:
+    """The statuses of ``grads``' small CPU tensors of the first one's dtype, a 2-norm per buffer of them (see SMALL),
+    and the tensors left for the foreach norm (every one on a device, where the foreach norm is one kernel; and
+    where tests take the device path on a CPU, _sync.HOST_READS). Grad mode is off (see _norms). Only plain tensors
+    are copied: a DTensor's cat would be a collective."""
+    first = grads[0]
+    if not first.is_cpu or not _sync.HOST_READS:
+        return [], grads
+    torch = _torch
+    tensor, dtype = _Tensor, first.dtype
+    rest, chunk, statuses, size = [], [], [], 0
+    for g in grads:
+        n = g.numel()
+        if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
+            chunk.append(g)
+            size += n
+            if size >= CHUNK:
+                statuses.append(_flat_norm(torch, chunk))
+                chunk, size = [], 0
+        else:
+            rest.append(g)
+    if len(chunk) > 1:
+        statuses.append(_flat_norm(torch, chunk))
+    else:
+        rest.extend(chunk)  # (one tensor alone: no copy)
+    return statuses, rest
+
+
+def _flat_norm(torch: Any, tensors: list) -> Any:
+    flat = torch._C._nn.flatten_dense_tensors(tensors)
+    dtype = flat.dtype
+    if dtype is torch.float32 or dtype is torch.float64:
+        return torch.linalg.vector_norm(flat, 2)
+    return torch.linalg.vector_norm(flat, 2, dtype=torch.float32)
+
+
 def finite(tensor: Any) -> bool:
     """The exact answer, for the failure path only (reads the device)."""
     with _torch._C.DisableTorchFunction():
@@ -1582,8 +1626,17 @@ def _statuses(g: _guard.Guard) -> Any:
             at.append(~len(taken))
             taken.append(p.status)
         if p.params is not None and len(p.parts) > 1:  # gradients (one part: the clip's scalar norm, read below)
-            at.extend(range(len(tensors), len(tensors) + len(p.parts)))
-            tensors.extend(p.parts)
+            enabled = _torch.is_grad_enabled()
+            _torch._C._set_grad_enabled(False)  # (see _norms)
+            try:
+                flat, rest = _gradient_statuses(p.parts)
+            finally:
+                _torch._C._set_grad_enabled(enabled)
+            for status in flat:
+                at.append(~len(taken))
+                taken.append(status)
+            at.extend(range(len(tensors), len(tensors) + len(rest)))
+            tensors.extend(rest)
             layout.append((p, at))
             continue
         for part in p.parts:
