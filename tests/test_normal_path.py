@@ -173,17 +173,16 @@ def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reduced = []
-    norms, flat_norm = sinks._norms, sinks._flat_norm
+    norms = sinks._norms
     monkeypatch.setattr(sinks, "_norms", lambda tensors: reduced.append(len(tensors)) or norms(tensors))
-    monkeypatch.setattr(sinks, "_flat_norm", lambda torch, tensors: reduced.append(len(tensors)) or
-                        flat_norm(torch, tensors))
+    monkeypatch.setattr(sinks, "norm", lambda flat, real=sinks.norm: reduced.append(flat.numel()) or real(flat))
     model(torch.randn(4, 8)).sum().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     assert reduced == []  # the loss and clip_grad_norm_'s total norm are scalars: no pass at all
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # no clip this time: one pass over the 4 gradients (the loss is its own status), small: one buffer
-    assert reduced == [4]
+    assert reduced == [8 * 8 + 8 + 8 * 2 + 2]  # (Net's four gradients are small: one buffer, 90 elements)
 
 
 class ManyTensors(torch.nn.Module):
@@ -211,10 +210,9 @@ def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_na
     model = ManyTensors()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buffers, single = [], []
-    norms, flat_norm = sinks._norms, sinks._flat_norm
+    norms = sinks._norms
     monkeypatch.setattr(sinks, "_norms", lambda tensors: single.append(len(tensors)) or norms(tensors))
-    monkeypatch.setattr(sinks, "_flat_norm", lambda torch, tensors: buffers.append(sum(t.numel() for t in tensors))
-                        or flat_norm(torch, tensors))
+    monkeypatch.setattr(sinks, "norm", lambda flat, real=sinks.norm: buffers.append(flat.numel()) or real(flat))
     x = torch.randn(4, 16)
     model(x).sum().backward()
     opt.step()

@@ -321,37 +321,33 @@ CHUNK = 1 << 20
 def _gradient_statuses(grads: list) -> tuple[list, list]:
     """The statuses of ``grads``' small CPU tensors of the first one's dtype, a 2-norm per buffer of them (see SMALL),
     and the tensors left for the foreach norm (every one on a device, where the foreach norm is one kernel; and
-    where tests take the device path on a CPU, _sync.HOST_READS). Grad mode is off (see _norms). Only plain tensors
-    are copied: a DTensor's cat would be a collective."""
+    where tests take the device path on a CPU, _sync.HOST_READS). Only plain tensors are copied: a DTensor's cat
+    would be a collective."""
     first = grads[0]
     if not first.is_cpu or not _sync.HOST_READS:
         return [], grads
-    torch = _torch
     tensor, dtype = _Tensor, first.dtype
     rest, chunk, statuses, size = [], [], [], 0
-    for g in grads:
-        n = g.numel()
-        if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
-            chunk.append(g)
-            size += n
-            if size >= CHUNK:
-                statuses.append(_flat_norm(torch, chunk))
-                chunk, size = [], 0
+    enabled = _torch.is_grad_enabled()
+    _torch._C._set_grad_enabled(False)  # (see _norms)
+    try:
+        for g in grads:
+            n = g.numel()
+            if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
+                chunk.append(g)
+                size += n
+                if size >= CHUNK:
+                    statuses.append(norm(_torch._C._nn.flatten_dense_tensors(chunk)))
+                    chunk, size = [], 0
+            else:
+                rest.append(g)
+        if len(chunk) > 1:
+            statuses.append(norm(_torch._C._nn.flatten_dense_tensors(chunk)))
         else:
-            rest.append(g)
-    if len(chunk) > 1:
-        statuses.append(_flat_norm(torch, chunk))
-    else:
-        rest.extend(chunk)  # (one tensor alone: no copy)
+            rest.extend(chunk)  # (one tensor alone: no copy)
+    finally:
+        _torch._C._set_grad_enabled(enabled)
     return statuses, rest
-
-
-def _flat_norm(torch: Any, tensors: list) -> Any:
-    flat = torch._C._nn.flatten_dense_tensors(tensors)
-    dtype = flat.dtype
-    if dtype is torch.float32 or dtype is torch.float64:
-        return torch.linalg.vector_norm(flat, 2)
-    return torch.linalg.vector_norm(flat, 2, dtype=torch.float32)
 
 
 def finite(tensor: Any) -> bool:
@@ -1626,12 +1622,7 @@ def _statuses(g: _guard.Guard) -> Any:
             at.append(~len(taken))
             taken.append(p.status)
         if p.params is not None and len(p.parts) > 1:  # gradients (one part: the clip's scalar norm, read below)
-            enabled = _torch.is_grad_enabled()
-            _torch._C._set_grad_enabled(False)  # (see _norms)
-            try:
-                flat, rest = _gradient_statuses(p.parts)
-            finally:
-                _torch._C._set_grad_enabled(enabled)
+            flat, rest = _gradient_statuses(p.parts)
             for status in flat:
                 at.append(~len(taken))
                 taken.append(status)
