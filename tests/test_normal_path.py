@@ -182,7 +182,7 @@ def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     assert reduced == []  # the loss and clip_grad_norm_'s total norm are scalars: no pass at all
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # no clip this time: one pass over the 4 gradients (the loss is its own status), small: one buffer
-    assert reduced == [8 * 8 + 8 + 8 * 2 + 2]  # (Net's four gradients are small: one buffer, 90 elements)
+    assert reduced == [4]  # (fewer than sinks.FEW: no buffer)
 
 
 class ManyTensors(torch.nn.Module):
@@ -203,28 +203,34 @@ class ManyTensors(torch.nn.Module):
 @pytest.mark.parametrize("chunk", [sinks.CHUNK, 600])
 def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_named(monkeypatch, read_path, chunk):
     """On the CPU a foreach norm is a kernel per tensor: the small gradients of one dtype are copied into buffers
-    of at most CHUNK elements and normed once each. Every gradient is still read: a NaN in the last small tensor of
-    the last buffer, in the large one, or in another dtype's is named."""
+    of at most CHUNK elements and normed once each (a last few left over take the foreach norm). Every gradient is
+    still read: a NaN in a small tensor inside a buffer, in the last small one, in the large one, or in another
+    dtype's is named."""
     monkeypatch.setattr(sinks, "CHUNK", chunk)
     g = ampguard.install()
     model = ManyTensors()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buffers, single = [], []
     norms = sinks._norms
-    monkeypatch.setattr(sinks, "_norms", lambda tensors: single.append(len(tensors)) or norms(tensors))
+    monkeypatch.setattr(sinks, "_norms", lambda tensors: single.append(sum(t.numel() for t in tensors)) or
+                        norms(tensors))
     monkeypatch.setattr(sinks, "norm", lambda flat, real=sinks.norm: buffers.append(flat.numel()) or real(flat))
     x = torch.randn(4, 16)
     model(x).sum().backward()
     opt.step()
     opt.zero_grad()
-    small = 40 * (16 * 16 + 16) + 512  # the blocks' 80 tensors and the wide layer's bias, float32
+    total = sum(p.numel() for p in model.parameters())
     if read_path == "host":
-        assert sum(buffers) == small and all(n <= chunk + 16 * 16 for n in buffers)
-        assert len(buffers) == 1 if chunk > small else len(buffers) > small // (chunk + 16 * 16)
-        assert single == [3]  # the wide weight and the float64 head's two
+        assert sum(buffers) + sum(single) == total  # every gradient read once
+        assert all(n < chunk + sinks.SMALL for n in buffers)
+        if chunk > total:
+            assert buffers == [40 * (16 * 16 + 16) + 512]  # the blocks' 80 tensors and the wide bias, float32
+            assert single == [16 * 512 + 512 + 1]  # the wide weight (past SMALL) and the float64 head's two
+        else:
+            assert len(buffers) > 1
     else:  # a device's path: one foreach kernel for all
-        assert buffers == [] and single == [84]
-    for name in ("blocks.39.0.bias", "wide.weight", "head.bias"):
+        assert buffers == [] and single == [total]
+    for name in ("blocks.20.0.weight", "blocks.39.0.bias", "wide.weight", "head.bias"):
         param = model.get_parameter(name)
         handle = param.register_hook(lambda grad: grad * float("nan"))
         before = param.detach().clone()
@@ -235,7 +241,7 @@ def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_na
         assert torch.equal(param, before)  # read before the update
         handle.remove()
         opt.zero_grad()
-    assert g.stats.nonfinite_detected == 3
+    assert g.stats.nonfinite_detected == 4
 
 
 def test_a_nan_gradient_is_caught_through_the_clip_norm_and_named():
