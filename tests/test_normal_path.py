@@ -244,6 +244,22 @@ def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_na
     assert g.stats.nonfinite_detected == 4
 
 
+@pytest.mark.parametrize(("dtype", "value"), [(torch.float32, 3e38), (torch.float16, 60000.0), (torch.bfloat16, 3e38)])
+def test_large_finite_gradients_read_in_a_buffer_never_raise(monkeypatch, dtype, value):
+    """A buffer's 2-norm overflows where its values are large and finite: re-checked exactly, it raises nothing."""
+    g = ampguard.install()
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12))).to(dtype)  # 24 small gradients
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    buffered = []
+    monkeypatch.setattr(sinks, "norm", lambda flat, real=sinks.norm: buffered.append(flat.numel()) or real(flat))
+    model(torch.zeros(2, 4, dtype=dtype)).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.fill_(value)
+    opt.step()
+    assert buffered == [12 * (16 + 4)] and g.stats.nonfinite_detected == 0
+
+
 def test_a_nan_gradient_is_caught_through_the_clip_norm_and_named():
     ampguard.install()
     model = Net()
