@@ -360,38 +360,34 @@ def scaling(reps, quick):
         torch.manual_seed(0)
         # parameter-free modules (two levels deep) and one Linear: the count of calls varies, not of gradients
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), *(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh())
-                                                             for _ in range((calls - 2) // 3))).to(DEVICE)
+                                                             for _ in range((calls - 2) // 3)))
         n = sum(1 for _ in model.modules())  # every module is called once per forward
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # time, not train
-        x = torch.randn(2, 4, device=DEVICE)
-
-        def step(model=model, opt=opt, x=x):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
-        plain = statistics.median(m["plain"])
-        ratio = statistics.median(ratios(m, "install() (default)"))
+        plain, ratio = _per_unit(model, 4, reps, quick)
         print(f"  {n:12d}   {plain / n * 1e6:13.2f}   {(ratio - 1) * plain / n * 1e6:13.2f}   {ratio:5.2f}x")
     print("  parameter tensors   plain us/tensor   added us/tensor   ratio")
     for layers in ([5, 50, 250] if not quick else [5]):
         torch.manual_seed(0)
         # small layers: the count of gradients varies (a pass over them costs per tensor, not per byte, here)
-        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers))).to(DEVICE)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers)))
         n = 2 * layers
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        x = torch.randn(2, 8, device=DEVICE)
-
-        def step(model=model, opt=opt, x=x):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
-        plain = statistics.median(m["plain"])
-        ratio = statistics.median(ratios(m, "install() (default)"))
+        plain, ratio = _per_unit(model, 8, reps, quick)
         print(f"  {n:17d}   {plain / n * 1e6:15.2f}   {(ratio - 1) * plain / n * 1e6:15.2f}   {ratio:5.2f}x")
+
+
+def _per_unit(model, width, reps, quick):
+    """The plain step time and the default's ratio for a step of ``model`` on a batch of 2 (SGD, lr 0: time, not
+    train)."""
+    model = model.to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(2, width, device=DEVICE)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    m = measure(step, ["plain", "install() (default)"], reps, 3 if quick else 20)
+    return statistics.median(m["plain"]), statistics.median(ratios(m, "install() (default)"))
 
 
 # -- memory -----------------------------------------------------------------------------------------

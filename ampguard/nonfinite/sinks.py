@@ -310,11 +310,12 @@ def _norms(tensors: list) -> list:
         torch._C._set_grad_enabled(enabled)
 
 
-# On the CPU torch's foreach norm runs one kernel per tensor, some 3 us each however small the tensor (biases and norm
-# layers' weights are half of a model's tensors). Copied into one buffer, the small ones of a dtype cost one norm:
-# about 1 us a tensor. Past SMALL elements the copy costs more than the kernel it saves; a buffer holds at most CHUNK
-# elements (4 MB of float32), freed at once. Below FEW tensors the copy's op costs more than it saves (a step's
-# first ops run cold): measured on whole steps, 16 small tensors cost the same either way, 32 and 100 less buffered.
+# On the CPU torch's foreach norm runs one kernel per tensor, some 3 us each however small the tensor (biases and
+# norm layers' weights are often half of a model's tensors). Copied into one buffer, the small ones of a dtype cost
+# one norm: about 1 us a tensor. Past SMALL elements the copy costs more than the kernel it saves; a buffer holds at
+# most CHUNK elements (4 MB of float32), freed at once. Below FEW tensors the copy's op costs more than it saves (a
+# step's first ops run cold): measured on whole steps, 16 small tensors cost the same either way, 32 and 100 less
+# buffered.
 SMALL = 4096
 CHUNK = 1 << 20
 FEW = 16
