@@ -325,32 +325,28 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
     """The statuses of ``grads``' small CPU tensors of the first one's dtype, a 2-norm per buffer of them (see SMALL),
     and the tensors left for the foreach norm (every one on a device, where the foreach norm is one kernel; and
     where tests take the device path on a CPU, _sync.HOST_READS). Only plain tensors are copied: a DTensor's cat
-    would be a collective."""
+    would be a collective. (A buffer of gradients made with create_graph has history: norm() detaches it.)"""
     first = grads[0]
     if len(grads) < FEW or not first.is_cpu or not _sync.HOST_READS:
         return [], grads
     tensor, dtype = _Tensor, first.dtype
-    rest, chunk, statuses, size = [], [], [], 0
-    enabled = _torch.is_grad_enabled()
-    _torch._C._set_grad_enabled(False)  # (see _norms)
-    try:
-        for g in grads:
-            n = g.numel()
-            if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
-                chunk.append(g)
-                size += n
-                if size >= CHUNK:
-                    statuses.append(norm(_torch._C._nn.flatten_dense_tensors(chunk)))
-                    chunk, size = [], 0
-            else:
-                rest.append(g)
-        if len(chunk) >= FEW:
-            statuses.append(norm(_torch._C._nn.flatten_dense_tensors(chunk)))
+    buffers, chunk, size, rest = [], [], 0, []
+    for g in grads:
+        n = g.numel()
+        if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
+            chunk.append(g)
+            size += n
+            if size >= CHUNK:
+                buffers.append(chunk)
+                chunk, size = [], 0
         else:
-            rest.extend(chunk)
-    finally:
-        _torch._C._set_grad_enabled(enabled)
-    return statuses, rest
+            rest.append(g)
+    if len(chunk) >= FEW:
+        buffers.append(chunk)
+    else:
+        rest.extend(chunk)
+    flatten = _torch._C._nn.flatten_dense_tensors
+    return [norm(flatten(b)) for b in buffers], rest  # (each copy is freed once its norm is taken)
 
 
 def finite(tensor: Any) -> bool:
