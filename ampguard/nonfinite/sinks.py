@@ -16,12 +16,15 @@ Sinks (where a NaN/Inf is an error), each an on-device status riding the shared 
    without backward); NaN only (log-probabilities may be -inf). Under no_grad the status is taken
    when the output is made; with grad, at the read, if the user still holds the output;
 3. gradients at an optimizer step not driven by a GradScaler, before the step: the total norm
-   ``clip_grad_norm_`` returned when the loop clipped, else one foreach 2-norm over them.
+   ``clip_grad_norm_`` returned when the loop clipped, else one foreach 2-norm over them (on the
+   CPU, a sum of each, or of a buffer of small ones).
 
 A status is a 2-norm: one bandwidth pass, NaN exactly when an element is NaN (squares are never
-NaN), +Inf when an element is infinite *or* the sum of squares overflowed. An Inf status is
-re-checked exactly (``isfinite``) before anything is reported, so large finite values never raise.
-A scalar (a loss, a clip's total norm) is its own status, with no kernel at all.
+NaN), +Inf when an element is infinite *or* the sum of squares overflowed. A CPU gradient's is its
+sum instead, which costs half as much in place (see :func:`gradient_status`); a sum of finite values
+that overflows is +-Inf or NaN. An Inf status, and a gradient's NaN one, is re-checked exactly
+(``isfinite``) before anything is reported, so large finite values never raise. A scalar (a loss, a
+clip's total norm) is its own status, with no kernel at all.
 
 Parameters are not checked after a step: a parameter a step made non-finite reaches the next
 call's loss or output, which is read before another step is applied, and the replay names it.
@@ -312,8 +315,8 @@ def _norms(tensors: list) -> list:
 
 # On the CPU torch's foreach norm runs one kernel per tensor, some 3 us each however small the tensor (biases and
 # norm layers' weights are often half of a model's tensors). Copied into one buffer, the small ones of a dtype cost
-# one norm: about 1 us a tensor. Past SMALL elements the copy costs more than the kernel it saves; a buffer holds at
-# most CHUNK elements (4 MB of float32), freed at once. Below FEW tensors the copy's op costs more than it saves (a
+# one reduction: about 1 us a tensor. Past SMALL elements the copy costs more than the kernel it saves; a buffer holds
+# at most CHUNK elements (4 MB of float32), freed at once. Below FEW tensors the copy's op costs more than it saves (a
 # step's first ops run cold): measured on whole steps, 16 small tensors cost the same either way, 32 and 100 less
 # buffered.
 SMALL = 4096
@@ -321,32 +324,52 @@ CHUNK = 1 << 20
 FEW = 16
 
 
+def gradient_status(tensor: Any) -> Any:
+    """A CPU gradient's (or a buffer of them's) status: its sum, in float32 (float64 for float64). In place, between
+    backward() and the step, a sum costs half what a 2-norm does on the CPU (a sum kernel is warm there: the loss
+    code's mean and sum ran it; a norm runs cold): a Lightning step's statuses of its two small gradients, and their
+    reads, took 51-57 us against 70-75 us.
+    A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make it +-Inf or NaN too: a
+    gradient sink's non-finite status is re-checked exactly (see :func:`_failed`)."""
+    if tensor.requires_grad:  # (a gradient made with create_graph=True has history; its status needs none)
+        tensor = tensor.detach()
+    dtype = tensor.dtype
+    if dtype is _torch.float32 or dtype is _torch.float64:
+        return tensor.sum()
+    return tensor.sum(dtype=_torch.float32)  # (an fp16 sum overflows at 65504: each such step a re-check)
+
+
 def _gradient_statuses(grads: list) -> tuple[list, list]:
-    """The statuses of ``grads``' small CPU tensors of the first one's dtype, a 2-norm per buffer of them (see SMALL),
-    and the tensors left for the foreach norm (every one on a device, where the foreach norm is one kernel; and
-    where tests take the device path on a CPU, _sync.HOST_READS). Only plain tensors are copied: a DTensor's cat
-    would be a collective. (A buffer of gradients made with create_graph has history: norm() detaches it.)"""
-    first = grads[0]
-    if len(grads) < FEW or not first.is_cpu or not _sync.HOST_READS:
+    """The statuses of ``grads``' plain CPU tensors (see :func:`gradient_status`), the small ones of the first one's
+    dtype a buffer of them at a time (see SMALL), and the tensors left for the foreach norm: every one on a device,
+    where the foreach norm is one kernel for all, and where tests take the device path on a CPU
+    (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective."""
+    if not _sync.HOST_READS:
         return [], grads
-    tensor, dtype = _Tensor, first.dtype
-    buffers, chunk, size, rest = [], [], 0, []
+    tensor, dtype, float8 = _Tensor, grads[0].dtype, _FLOAT8
+    bufferable = len(grads) >= FEW and dtype not in float8
+    statuses, rest, buffers, chunk, size = [], [], [], [], 0
     for g in grads:
         n = g.numel()
-        if n <= SMALL and g.dtype is dtype and type(g) is tensor and g.is_cpu:
+        if type(g) is not tensor or not g.is_cpu:
+            rest.append(g)
+        elif bufferable and n <= SMALL and g.dtype is dtype:
             chunk.append(g)
             size += n
             if size >= CHUNK:
                 buffers.append(chunk)
                 chunk, size = [], 0
-        else:
+        elif g.dtype in float8:
             rest.append(g)
+        else:
+            statuses.append(gradient_status(g))
     if len(chunk) >= FEW:
         buffers.append(chunk)
     else:
-        rest.extend(chunk)
+        statuses.extend(gradient_status(g) for g in chunk)
     flatten = _torch._C._nn.flatten_dense_tensors
-    return [norm(flatten(b)) for b in buffers], rest  # (each copy is freed once its norm is taken)
+    statuses.extend(gradient_status(flatten(b)) for b in buffers)  # (each copy is freed once its status is taken)
+    return statuses, rest
 
 
 def finite(tensor: Any) -> bool:
@@ -1620,7 +1643,8 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
-        if p.params is not None and len(p.parts) > 1:  # gradients (one part: the clip's scalar norm, read below)
+        if p.params is not None and (len(p.parts) > 1 or p.parts[0].dim()):  # gradients (a 0-dim part: the clip's
+            # total norm, or one scalar parameter's gradient, is its own status, taken below)
             flat, rest = _gradient_statuses(p.parts)
             for status in flat:
                 at.append(~len(taken))
@@ -1675,9 +1699,7 @@ def _consume(values: list[float]) -> None:
     skip = g is not None and g.options.nonfinite == "skip"
     failed = None
     for p, at in layout:
-        mine = [values[i] if i >= 0 else values[n + ~i] for i in at]
-        if any(v != v for v in mine) or (not p.nan_only and (math.inf in mine or -math.inf in mine)
-                                          and not _finite_after_all(p)):
+        if _failed(p, [values[i] if i >= 0 else values[n + ~i] for i in at]):
             if failed is None or _made_at(p) < _made_at(failed):
                 failed = p
             if p.call is None:  # a loss or gradient sink (added at backward or the step: after the outputs)
@@ -1693,6 +1715,17 @@ def _consume(values: list[float]) -> None:
         _clear_window()
         return
     _failure.fail(g, failed)
+
+
+def _failed(p: Pending, values: list[float]) -> bool:
+    """Whether sink ``p`` failed, given its statuses (failure path only). A NaN status is an element's NaN, except a
+    gradient's: a sum, which finite values that overflow make NaN too. An Inf status may be such an overflow (a
+    sum's, a 2-norm's sum of squares), and counts only where the sink judges Inf at all. Both are checked exactly,
+    so large finite values never raise."""
+    nan = any(v != v for v in values)
+    if not nan and (p.nan_only or (math.inf not in values and -math.inf not in values)):
+        return False
+    return (nan and p.params is None) or not _finite_after_all(p)
 
 
 def _gradients_set_to_none(window: list) -> bool:
