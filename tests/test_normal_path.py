@@ -172,8 +172,10 @@ def _gradient_reads(monkeypatch, model):
     """What each status of a gradient read covers, as (route, elements): 'sum' for one gradient's sum, 'buffer' for a
     buffer of small ones, 'foreach' for the foreach norm's tensors (one entry per tensor)."""
     reads = []
-    grads = lambda: {id(p.grad) for p in model.parameters()}  # noqa: E731
     norms, status = sinks._norms, sinks.gradient_status
+
+    def grads():
+        return {id(p.grad) for p in model.parameters()}
 
     def counted_norms(tensors):
         reads.extend(("foreach", t.numel()) for t in tensors)

@@ -21,7 +21,7 @@ Sinks (where a NaN/Inf is an error), each an on-device status riding the shared 
 
 A status is a 2-norm: one bandwidth pass, NaN exactly when an element is NaN (squares are never
 NaN), +Inf when an element is infinite *or* the sum of squares overflowed. A CPU gradient's is its
-sum instead, which costs half as much in place (see :func:`gradient_status`); a sum of finite values
+sum instead, which costs less in place (see :func:`gradient_status`); a sum of finite values
 that overflows is +-Inf or NaN. An Inf status, and a gradient's NaN one, is re-checked exactly
 (``isfinite``) before anything is reported, so large finite values never raise. A scalar (a loss, a
 clip's total norm) is its own status, with no kernel at all.
@@ -326,9 +326,9 @@ FEW = 16
 
 def gradient_status(tensor: Any) -> Any:
     """A CPU gradient's (or a buffer of them's) status: its sum, in float32 (float64 for float64). In place, between
-    backward() and the step, a sum costs half what a 2-norm does on the CPU (a sum kernel is warm there: the loss
-    code's mean and sum ran it; a norm runs cold): a Lightning step's statuses of its two small gradients, and their
-    reads, took 51-57 us against 70-75 us.
+    backward() and the step, a sum kernel is warm on the CPU (the loss code's mean or sum ran it) and a norm runs
+    cold: a Lightning step's statuses of its two small gradients, with their reads, took 57 us against 75 us as
+    2-norms (benchmarks/in_place.py).
     A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make it +-Inf or NaN too: a
     gradient sink's non-finite status is re-checked exactly (see :func:`_failed`)."""
     if tensor.requires_grad:  # (a gradient made with create_graph=True has history; its status needs none)
