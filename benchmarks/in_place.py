@@ -3,14 +3,19 @@
 On a small step an op or a Python call costs several times its tight-loop time (the step's own work
 has just evicted it from the caches), and the machine's noise is larger than a change of a few
 percent to a whole step. So this times one ampguard function's call itself, inside the real step,
-and alternates the variants call by call: each sees the same step, the same caches and the same
-moment of the machine's drift. Each figure is the median over all calls (the first 50 dropped,
-or half of a short run's).
+and alternates the variants step by step: each sees the same steps, the same caches and the same
+moment of the machine's drift. Where a step makes the call several times (an RL step calls two
+networks), each call of the step is its own row. Each figure is the median over all calls (the
+first 50 dropped, or half of a short run's).
 
-The one experiment here: a gradient sink's statuses on the CPU (``sinks._statuses``, their host
-reads included), taken as ampguard takes them (a sum of each gradient, the small ones a buffer at a
-time) against the foreach 2-norm it took before (with the buffers' 2-norm). Workloads: the
-Lightning fit of overhead.py (two small gradients), and plain SGD loops of Linear layers.
+Two experiments, each a status that ampguard reads at once on the CPU:
+
+- a gradient sink's statuses (``sinks._statuses``, their host reads included), taken as ampguard
+  takes them (a sum of each gradient, the small ones a buffer at a time) against the foreach 2-norm
+  it took before (with the buffers' 2-norm). Workloads: the Lightning fit of overhead.py (two small
+  gradients), and plain SGD loops of Linear layers;
+- an inference output's status, as the whole end of its outermost call (``sinks.exit``): its sum
+  against its 2-norm, on overhead.py's RL rollout (a policy and a value MLP per step).
 
     python benchmarks/in_place.py
     python benchmarks/in_place.py --quick       # seconds: a smoke run for the tests
@@ -34,7 +39,7 @@ import torch
 
 import ampguard
 from ampguard import _sync
-from ampguard.nonfinite import sinks
+from ampguard.nonfinite import outermost, sinks
 
 SKIP = 50  # calls dropped at the start of each run (warming up)
 
@@ -63,31 +68,67 @@ def two_norm_statuses(grads: list) -> tuple[list, list]:
     return [sinks.norm(flatten(b)) for b in buffers], rest
 
 
-VARIANTS = {"sums (ampguard)": sinks._gradient_statuses, "foreach 2-norm (before)": two_norm_statuses}
+GRADIENTS = {"sums (ampguard)": sinks._gradient_statuses, "foreach 2-norm (before)": two_norm_statuses}
+OUTPUTS = {"sum (ampguard)": sinks.sum_status, "2-norm (before)": sinks.norm}
 
 
-def timed_statuses(run: Any) -> dict[str, list[int]]:
-    """ns per ``_statuses`` call under each variant, alternated call by call, while ``run()`` trains."""
-    names = itertools.cycle(VARIANTS)
-    times: dict[str, list[int]] = collections.defaultdict(list)
-    statuses, chosen, clock = sinks._statuses, sinks._gradient_statuses, time.perf_counter_ns
+def alternated(run: Any, owner: Any, name: str, choose: Any, variants: list[str], per_step: int) -> dict:
+    """ns per call of ``owner.name`` under each variant (``choose(variant)`` puts it in place), the variant
+    changed every ``per_step`` calls (a step), while ``run()`` trains; keyed (variant, which call of the step)."""
+    times: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    calls, function, clock = itertools.count(), getattr(owner, name), time.perf_counter_ns
 
-    def timed(g: Any) -> Any:
-        name = next(names)
-        sinks._gradient_statuses = VARIANTS[name]
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        n = next(calls)
+        variant = variants[n // per_step % len(variants)]
+        choose(variant)
         start = clock()
         try:
-            return statuses(g)
+            return function(*args, **kwargs)
         finally:
-            times[name].append(clock() - start)
+            times[variant, n % per_step].append(clock() - start)
 
-    sinks._statuses = timed
+    setattr(owner, name, timed)
+    try:
+        run()
+    finally:
+        setattr(owner, name, function)
+    return times
+
+
+def gradient_statuses(run: Any) -> dict:
+    chosen = sinks._gradient_statuses
+
+    def choose(variant: str) -> None:
+        sinks._gradient_statuses = GRADIENTS[variant]
+
     try:
         with ampguard.guard():
-            run()
+            return alternated(run, sinks, "_statuses", choose, list(GRADIENTS), 1)
     finally:
-        sinks._statuses, sinks._gradient_statuses = statuses, chosen
-    return times
+        sinks._gradient_statuses = chosen
+
+
+def output_statuses(steps: int) -> dict:
+    """The rollout's two calls a step; ``exit`` is what the outermost call's hook calls (bound at switch-on)."""
+    step, chosen = overhead.rollout(), sinks.sum_status
+
+    def choose(variant: str) -> None:
+        sinks.sum_status = OUTPUTS[variant]
+
+    def run() -> None:
+        for _ in range(steps):
+            step()
+
+    try:
+        with ampguard.guard():
+            return alternated(run, outermost.H, "exit", choose, list(OUTPUTS), 2)
+    finally:
+        sinks.sum_status = chosen
+
+
+def median_us(values: list[int]) -> float:
+    return statistics.median(values[min(SKIP, len(values) // 2):]) / 1e3
 
 
 def linear_loop(layers: int, width: int, steps: int) -> Any:
@@ -116,14 +157,18 @@ def main() -> None:
     for layers, width, steps in [(10, 128, 400), (100, 8, 400), (6, 1024, 60), (3, 2048, 60)]:
         runs.append((f"{layers} x Linear({width}, {width}): {2 * layers} tensors",
                      linear_loop(layers, width, max(8, int(steps * scale)))))
-    print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, 1 torch thread; median us per step's "
-          f"statuses and reads, variants alternated call by call")
-    print(f"  {'workload':44s}" + "".join(f"{name:>26s}" for name in VARIANTS))
+    print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, 1 torch thread; median us a call, variants "
+          "alternated step by step")
+    print("\na gradient sink's statuses and their reads (sinks._statuses)")
+    print(f"  {'workload':44s}" + "".join(f"{name:>26s}" for name in GRADIENTS))
     for title, run in runs:
-        times = timed_statuses(run)
-        cells = "".join(f"{statistics.median(times[name][min(SKIP, len(times[name]) // 2):]) / 1e3:>23.1f} us"
-                        for name in VARIANTS)
-        print(f"  {title:44s}{cells}")
+        times = gradient_statuses(run)
+        print(f"  {title:44s}" + "".join(f"{median_us(times[name, 0]):>23.1f} us" for name in GRADIENTS))
+    print("\nan inference output's status: the end of its outermost call (sinks.exit), RL rollout")
+    print(f"  {'call':44s}" + "".join(f"{name:>26s}" for name in OUTPUTS))
+    times = output_statuses(max(60, int(8000 * scale)))
+    for which, title in enumerate(("policy MLP 8-64-64-4", "value MLP 8-64-1")):
+        print(f"  {title:44s}" + "".join(f"{median_us(times[name, which]):>23.1f} us" for name in OUTPUTS))
 
 
 if __name__ == "__main__":

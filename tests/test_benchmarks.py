@@ -14,7 +14,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
     ("overhead.py", ["--quick", "--only", "memory"], "guard"),
     ("overhead.py", ["--quick", "--only", "scaling"], "10 "),  # the parameter tensors row
     ("floor.py", ["--quick"], "floor:"),
-    ("in_place.py", ["--quick"], "3 x Linear(2048, 2048)"),
+    ("in_place.py", ["--quick"], "value MLP"),
     ("added_ops.py", ["--workload", "tiny", "--steps", "3"], "device-to-host copies and syncs:"),
     ("distributed_overhead.py", ["--reps", "1", "--steps", "2", "--width", "8"], "all_reduce of the 2x1 table"),
     ("hook_times.py", ["--steps", "20"], "ampguard's entry points:"),

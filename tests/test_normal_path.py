@@ -3,6 +3,7 @@ parameters or outputs a loss covers, no tensor kept alive, nested module calls o
 
 import contextlib
 import gc
+import math
 import sys
 import weakref
 
@@ -172,7 +173,7 @@ def _gradient_reads(monkeypatch, model):
     """What each status of a gradient read covers, as (route, elements): 'sum' for one gradient's sum, 'buffer' for a
     buffer of small ones, 'foreach' for the foreach norm's tensors (one entry per tensor)."""
     reads = []
-    norms, status = sinks._norms, sinks.gradient_status
+    norms, status = sinks._norms, sinks.sum_status
 
     def grads():
         return {id(p.grad) for p in model.parameters()}
@@ -186,7 +187,7 @@ def _gradient_reads(monkeypatch, model):
         return status(tensor)
 
     monkeypatch.setattr(sinks, "_norms", counted_norms)
-    monkeypatch.setattr(sinks, "gradient_status", counted_status)
+    monkeypatch.setattr(sinks, "sum_status", counted_status)
     return reads
 
 
@@ -299,7 +300,7 @@ def test_a_finite_gradient_whose_sum_is_nan_never_raises(monkeypatch):
     reads = _gradient_reads(monkeypatch, model)
     model(torch.zeros(2, values.numel())).sum().backward()
     model.weight.grad.copy_(values.reshape(1, -1))
-    assert sinks.gradient_status(model.weight.grad).isnan()
+    assert sinks.sum_status(model.weight.grad).isnan()
     opt.step()
     assert reads and g.stats.nonfinite_detected == 0
     model.weight.grad[0, 3] = float("nan")
@@ -392,6 +393,48 @@ def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once
             model(x)  # the next call of the same module reads it
     assert info.value.sink == "output of module 'Net'"
     assert "parameter 'head.bias'" in str(info.value)
+
+
+class Scores(torch.nn.Module):
+    """Attention-like scores with masked and overflowing entries: +Inf and -Inf, and a NaN where asked."""
+
+    def __init__(self, nan=False):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.nan = nan
+
+    def forward(self, x):
+        scores = self.proj(x)
+        scores[:, 0] = float("inf")
+        scores[:, 1] = float("-inf")
+        if self.nan:
+            scores[:, 5] = float("nan")
+        return scores
+
+
+def test_an_inference_output_of_plus_and_minus_inf_is_no_nan(monkeypatch, read_path):
+    """An output's status read at once on the CPU is its sum: +Inf and -Inf elements sum to NaN with no NaN element.
+    Checked at once, it raises nothing (an output sink judges NaN only), and its status is the 2-norm's +Inf, which
+    the repro command still judges; a NaN beside them is named."""
+    g = ampguard.install()
+    model = Scores()
+    sums = []
+    monkeypatch.setattr(sinks, "sum_status", lambda t, real=sinks.sum_status: sums.append(t.numel()) or real(t))
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 8))
+        nonfinite.check()
+        assert sinks.T.pending == []
+        assert g.stats.nonfinite_detected == 0
+        assert sums == ([32, 32, 32] if read_path == "host" else [])  # (a device's: the 2-norm, read later)
+        model(torch.randn(4, 8))
+        pending = list(sinks.T.pending)
+        assert [p.status.item() for p in pending] == [math.inf]  # the 2-norm's, as the repro command reads it
+        model.nan = True
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            model(torch.randn(4, 8))
+            nonfinite.check()
+    assert info.value.sink == "output of module 'Scores'"
 
 
 def test_an_evaluation_loop_that_frees_each_batch_gets_the_origin_on_the_cpu(read_path):

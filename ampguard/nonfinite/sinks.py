@@ -20,11 +20,12 @@ Sinks (where a NaN/Inf is an error), each an on-device status riding the shared 
    CPU, a sum of each, or of a buffer of small ones).
 
 A status is a 2-norm: one bandwidth pass, NaN exactly when an element is NaN (squares are never
-NaN), +Inf when an element is infinite *or* the sum of squares overflowed. A CPU gradient's is its
-sum instead, which costs less in place (see :func:`gradient_status`); a sum of finite values
-that overflows is +-Inf or NaN. An Inf status, and a gradient's NaN one, is re-checked exactly
-(``isfinite``) before anything is reported, so large finite values never raise. A scalar (a loss, a
-clip's total norm) is its own status, with no kernel at all.
+NaN), +Inf when an element is infinite *or* the sum of squares overflowed. A status read at once
+on the CPU (a gradient's, an inference output's) is a sum instead, which costs less in place (see
+:func:`sum_status`); a sum of finite values that overflows is +-Inf or NaN, and so is one of +Inf
+and -Inf. An Inf status, and a gradient's NaN one, is re-checked exactly (``isfinite``) before
+anything is reported, so large finite values never raise; an output's NaN sum is checked for a NaN
+element at once. A scalar (a loss, a clip's total norm) is its own status, with no kernel at all.
 
 Parameters are not checked after a step: a parameter a step made non-finite reaches the next
 call's loss or output, which is read before another step is applied, and the replay names it.
@@ -324,13 +325,14 @@ CHUNK = 1 << 20
 FEW = 16
 
 
-def gradient_status(tensor: Any) -> Any:
-    """A CPU gradient's (or a buffer of them's) status: its sum, in float32 (float64 for float64). In place, between
-    backward() and the step, a sum kernel is warm on the CPU (the loss code's mean or sum ran it) and a norm runs
-    cold: a Lightning step's statuses of its two small gradients, with their reads, took 57 us against 75 us as
-    2-norms (benchmarks/in_place.py).
-    A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make it +-Inf or NaN too: a
-    gradient sink's non-finite status is re-checked exactly (see :func:`_failed`)."""
+def sum_status(tensor: Any) -> Any:
+    """A status read at once on the CPU (a gradient's, a buffer of them's, an inference output's): the tensor's sum,
+    in float32 (float64 for float64). In place a sum kernel is warm on the CPU (the loss code's mean or sum, or a
+    forward's, ran it) and a norm runs cold: a Lightning step's statuses of its two small gradients, with their
+    reads, took 57 us against 75 us as 2-norms (benchmarks/in_place.py), an RL policy's output status 21 us
+    against 26 us. A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make it +-Inf
+    or NaN too (+Inf and -Inf elements: NaN): a gradient sink's non-finite status is re-checked exactly (see
+    :func:`_failed`), an output's NaN one at once (see :func:`exit`)."""
     if tensor.requires_grad:  # (a gradient made with create_graph=True has history; its status needs none)
         tensor = tensor.detach()
     dtype = tensor.dtype
@@ -340,7 +342,7 @@ def gradient_status(tensor: Any) -> Any:
 
 
 def _gradient_statuses(grads: list) -> tuple[list, list]:
-    """The statuses of ``grads``' plain CPU tensors (see :func:`gradient_status`), the small ones of the first one's
+    """The statuses of ``grads``' plain CPU tensors (see :func:`sum_status`), the small ones of the first one's
     dtype a buffer of them at a time (see SMALL), and the tensors left for the foreach norm: every one on a device,
     where the foreach norm is one kernel for all, and where tests take the device path on a CPU
     (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective."""
@@ -362,13 +364,13 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
         elif g.dtype in float8:
             rest.append(g)
         else:
-            statuses.append(gradient_status(g))
+            statuses.append(sum_status(g))
     if len(chunk) >= FEW:
         buffers.append(chunk)
     else:
-        statuses.extend(gradient_status(g) for g in chunk)
+        statuses.extend(sum_status(g) for g in chunk)
     flatten = _torch._C._nn.flatten_dense_tensors
-    statuses.extend(gradient_status(flatten(b)) for b in buffers)  # (each copy is freed once its status is taken)
+    statuses.extend(sum_status(flatten(b)) for b in buffers)  # (each copy is freed once its status is taken)
     return statuses, rest
 
 
@@ -888,10 +890,13 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             pending.append(Pending(g, None, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
-            status = norm(o)
+            host = type(o) is _Tensor and o.is_cpu and _sync.HOST_READS  # (read now: a sum, see sum_status)
+            status = sum_status(stored(o)) if host else norm(o)
             value = _sync.host_value(status)  # (on the CPU a read is no sync: known now, raised at the read)
             if value is not None and value - value == 0.0:
                 continue  # finite: nothing left to read (an Inf is still judged at the read: the repro command does)
+            if host and value != value and not bool(_torch.isnan(stored(o)).any()):
+                status, value = norm(o), math.inf  # +Inf and -Inf elements summed: no NaN, as the 2-norm says
             keep = keep or (value is not None and value != value and not training)  # (a NaN, known now)
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=status))
     if keep and index >= 0:
