@@ -329,10 +329,10 @@ def sum_status(tensor: Any) -> Any:
     """A status read at once on the CPU (a gradient's, a buffer of them's, an inference output's): the tensor's sum,
     in float32 (float64 for float64). In place a sum kernel is warm on the CPU (the loss code's mean or sum, or a
     forward's, ran it) and a norm runs cold: a Lightning step's statuses of its two small gradients, with their
-    reads, took 57 us against 75 us as 2-norms (benchmarks/in_place.py), an RL policy's output status 21 us
-    against 26 us. A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make it +-Inf
-    or NaN too (+Inf and -Inf elements: NaN): a gradient sink's non-finite status is re-checked exactly (see
-    :func:`_failed`), an output's NaN one at once (see :func:`exit`)."""
+    reads, took 56 us against 74 us as 2-norms, and the end of an RL policy's inference call 56 us against 63 us
+    (benchmarks/in_place.py). A sum is NaN or +-Inf when an element is, and finite values whose sum overflows make
+    it +-Inf or NaN too (+Inf and -Inf elements: NaN): a gradient sink's non-finite status is re-checked exactly
+    (see :func:`_failed`), an output's NaN one at once (see :func:`exit`)."""
     if tensor.requires_grad:  # (a gradient made with create_graph=True has history; its status needs none)
         tensor = tensor.detach()
     dtype = tensor.dtype
