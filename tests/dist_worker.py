@@ -7,6 +7,7 @@ so a scenario costs one interpreter start-up and stays within a few seconds.
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -186,29 +187,33 @@ def skip_together(rank, ddp):
     independent replicas (no gradient all-reduce) only rank 1's, and rank 0 must skip with it all the same."""
     import ampguard
 
-    bundles = tempfile.mkdtemp()
-    g = ampguard.install(nonfinite="skip", repro_dir=bundles)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(5):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))  # the same batch on both ranks
-            if rank == 1 and i == 2:
-                x[0, 0] = float("nan")
-            model(x).pow(2).mean().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    s = g.stats
-    weight = (model.module if ddp else model).weight
-    return {"skipped": s.nonfinite_steps_skipped, "applied": s.optimizer_steps_applied, "lr": opt.param_groups[0]["lr"],
-            "weight": weight.detach().tolist(), "bundles": sorted(os.listdir(bundles)),
-            "warnings": [str(w.message) for w in caught if "nonfinite='skip'" in str(w.message)]}
+    bundles = tempfile.mkdtemp()  # (each rank's reproducer bundles; removed when the rank is done)
+    try:
+        g = ampguard.install(nonfinite="skip", repro_dir=bundles)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        if ddp:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(5):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))  # the same batch on both ranks
+                if rank == 1 and i == 2:
+                    x[0, 0] = float("nan")
+                model(x).pow(2).mean().backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        s = g.stats
+        weight = (model.module if ddp else model).weight
+        return {"skipped": s.nonfinite_steps_skipped, "applied": s.optimizer_steps_applied,
+                "lr": opt.param_groups[0]["lr"], "weight": weight.detach().tolist(),
+                "bundles": sorted(os.listdir(bundles)),
+                "warnings": [str(w.message) for w in caught if "nonfinite='skip'" in str(w.message)]}
+    finally:
+        shutil.rmtree(bundles, ignore_errors=True)
 
 
 class GlobalTokenMean(torch.nn.Module):
