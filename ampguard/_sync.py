@@ -22,8 +22,9 @@ class OnHost(list):
     """Values a participant read itself from CPU tensors (see :func:`on_host`)."""
 
 
-# The CPU's own shortcuts: statuses read one by one where they are (on_host), small gradients normed a buffer at a
-# time (sinks._gradient_statuses). Tests turn it off to run the device path on a CPU.
+# The CPU's own shortcuts: statuses read one by one where they are (on_host), taken as sums (sinks.sum_status) and
+# small gradients summed a buffer at a time (sinks._gradient_statuses). Tests turn it off to run the device path on
+# a CPU.
 HOST_READS = True
 
 

@@ -348,8 +348,8 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
     (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective."""
     if not _sync.HOST_READS:
         return [], grads
-    tensor, dtype, float8 = _Tensor, grads[0].dtype, _FLOAT8
-    bufferable = len(grads) >= FEW and dtype not in float8
+    tensor, dtype = _Tensor, grads[0].dtype
+    bufferable = len(grads) >= FEW
     statuses, rest, buffers, chunk, size = [], [], [], [], 0
     for g in grads:
         n = g.numel()
@@ -361,10 +361,8 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
             if size >= CHUNK:
                 buffers.append(chunk)
                 chunk, size = [], 0
-        elif g.dtype in float8:
-            rest.append(g)
         else:
-            statuses.append(sum_status(g))
+            statuses.append(sum_status(g))  # (float8 too: its float32 sum is the one reduction torch takes of it)
     if len(chunk) >= FEW:
         buffers.append(chunk)
     else:
