@@ -72,59 +72,46 @@ GRADIENTS = {"sums (ampguard)": sinks._gradient_statuses, "foreach 2-norm (befor
 OUTPUTS = {"sum (ampguard)": sinks.sum_status, "2-norm (before)": sinks.norm}
 
 
-def alternated(run: Any, owner: Any, name: str, choose: Any, variants: list[str], per_step: int) -> dict:
-    """ns per call of ``owner.name`` under each variant (``choose(variant)`` puts it in place), the variant
-    changed every ``per_step`` calls (a step), while ``run()`` trains; keyed (variant, which call of the step)."""
+def alternated(run: Any, owner: Any, name: str, swapped: str, variants: dict, per_step: int) -> dict:
+    """ns per call of ``owner.name`` while ``run()`` trains under a guard, with ``sinks.<swapped>`` set to each of
+    ``variants`` in turn, changed every ``per_step`` calls (a step); keyed (variant, which call of the step)."""
     times: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
-    calls, function, clock = itertools.count(), getattr(owner, name), time.perf_counter_ns
+    names, calls, clock, chosen = list(variants), itertools.count(), time.perf_counter_ns, getattr(sinks, swapped)
+    with ampguard.guard():  # (first: the outermost call's exit is bound to its hooks as they switch on)
+        function = getattr(owner, name)
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        n = next(calls)
-        variant = variants[n // per_step % len(variants)]
-        choose(variant)
-        start = clock()
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            n = next(calls)
+            variant = names[n // per_step % len(names)]
+            setattr(sinks, swapped, variants[variant])
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                times[variant, n % per_step].append(clock() - start)
+
+        setattr(owner, name, timed)
         try:
-            return function(*args, **kwargs)
+            run()
         finally:
-            times[variant, n % per_step].append(clock() - start)
-
-    setattr(owner, name, timed)
-    try:
-        run()
-    finally:
-        setattr(owner, name, function)
+            setattr(owner, name, function)
+            setattr(sinks, swapped, chosen)
     return times
 
 
 def gradient_statuses(run: Any) -> dict:
-    chosen = sinks._gradient_statuses
-
-    def choose(variant: str) -> None:
-        sinks._gradient_statuses = GRADIENTS[variant]
-
-    try:
-        with ampguard.guard():
-            return alternated(run, sinks, "_statuses", choose, list(GRADIENTS), 1)
-    finally:
-        sinks._gradient_statuses = chosen
+    return alternated(run, sinks, "_statuses", "_gradient_statuses", GRADIENTS, 1)
 
 
 def output_statuses(steps: int) -> dict:
-    """The rollout's two calls a step; ``exit`` is what the outermost call's hook calls (bound at switch-on)."""
-    step, chosen = overhead.rollout(), sinks.sum_status
-
-    def choose(variant: str) -> None:
-        sinks.sum_status = OUTPUTS[variant]
+    """The rollout's two calls a step; ``exit`` is what the outermost call's hook calls."""
+    step = overhead.rollout()
 
     def run() -> None:
         for _ in range(steps):
             step()
 
-    try:
-        with ampguard.guard():
-            return alternated(run, outermost.H, "exit", choose, list(OUTPUTS), 2)
-    finally:
-        sinks.sum_status = chosen
+    return alternated(run, outermost.H, "exit", "sum_status", OUTPUTS, 2)
 
 
 def median_us(values: list[int]) -> float:
