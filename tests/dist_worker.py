@@ -7,7 +7,6 @@ so a scenario costs one interpreter start-up and stays within a few seconds.
 import contextlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import traceback
@@ -187,8 +186,7 @@ def skip_together(rank, ddp):
     independent replicas (no gradient all-reduce) only rank 1's, and rank 0 must skip with it all the same."""
     import ampguard
 
-    bundles = tempfile.mkdtemp()  # (each rank's reproducer bundles; removed when the rank is done)
-    try:
+    with tempfile.TemporaryDirectory() as bundles:  # (each rank's reproducer bundles)
         g = ampguard.install(nonfinite="skip", repro_dir=bundles)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
@@ -212,8 +210,6 @@ def skip_together(rank, ddp):
                 "lr": opt.param_groups[0]["lr"], "weight": weight.detach().tolist(),
                 "bundles": sorted(os.listdir(bundles)),
                 "warnings": [str(w.message) for w in caught if "nonfinite='skip'" in str(w.message)]}
-    finally:
-        shutil.rmtree(bundles, ignore_errors=True)
 
 
 class GlobalTokenMean(torch.nn.Module):
