@@ -35,9 +35,9 @@ def on_host(statuses: list[Any]) -> OnHost | None:
     if not HOST_READS:
         return None
     for s in statuses:
-        if not s.is_cpu:
+        if type(s) is not float and not s.is_cpu:
             return None
-    return OnHost([s.item() for s in statuses])
+    return OnHost([s if type(s) is float else s.item() for s in statuses])
 
 
 def host_value(scalar: Any) -> float | None:

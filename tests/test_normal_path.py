@@ -171,9 +171,10 @@ def _held_tensors():
 
 def _gradient_reads(monkeypatch, model):
     """What each status of a gradient read covers, as (route, elements): 'sum' for one gradient's sum, 'buffer' for a
-    buffer of small ones, 'foreach' for the foreach norm's tensors (one entry per tensor)."""
+    buffer of small ones, 'values' for a few values read as Python floats, 'foreach' for the foreach norm's tensors
+    (one entry per tensor)."""
     reads = []
-    norms, status = sinks._norms, sinks.sum_status
+    norms, status, values = sinks._norms, sinks.sum_status, sinks.few_values_sum
 
     def grads():
         return {id(p.grad) for p in model.parameters()}
@@ -186,8 +187,15 @@ def _gradient_reads(monkeypatch, model):
         reads.append(("sum" if id(tensor) in grads() else "buffer", tensor.numel()))
         return status(tensor)
 
+    def counted_values(tensor):
+        total = values(tensor)
+        if total is not None:
+            reads.append(("values", tensor.numel()))
+        return total
+
     monkeypatch.setattr(sinks, "_norms", counted_norms)
     monkeypatch.setattr(sinks, "sum_status", counted_status)
+    monkeypatch.setattr(sinks, "few_values_sum", counted_values)
     return reads
 
 
@@ -202,7 +210,8 @@ def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     assert reads == []  # the loss and clip_grad_norm_'s total norm are scalars: no pass at all
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # no clip this time: one pass over the 4 gradients (the loss is its own status), a sum each
-    assert reads == [("sum", p.numel()) for p in model.parameters()]  # (fewer than sinks.FEW: no buffer)
+    # (fewer than sinks.FEW: no buffer; the few values of a small one are read as Python floats, no op)
+    assert reads == [("values", p.numel()) for p in model.parameters()]
 
 
 class ManyTensors(torch.nn.Module):
@@ -242,8 +251,9 @@ def test_many_small_cpu_gradients_are_read_in_few_buffers_and_a_nan_in_any_is_na
         assert all(n < chunk + sinks.SMALL for n in buffers)
         if chunk > total:
             assert buffers == [40 * (16 * 16 + 16) + 512]  # the blocks' 80 tensors and the wide bias, float32
-            assert sorted(n for route, n in reads if route == "sum") == [1, 512, 16 * 512]  # the wide weight (past
-            # SMALL) and the float64 head's two
+            # the wide weight (past SMALL) and the float64 head's weight; its one-element bias is read as a value
+            assert sorted(n for route, n in reads if route == "sum") == [512, 16 * 512]
+            assert [n for route, n in reads if route == "values"] == [1]
         else:
             assert len(buffers) > 1
         assert not any(route == "foreach" for route, _ in reads)
@@ -278,7 +288,48 @@ def test_large_finite_gradients_read_in_a_buffer_never_raise(monkeypatch, dtype,
     assert reads == [("buffer", 12 * (16 + 4))] and g.stats.nonfinite_detected == 0
 
 
-def _summing_to_nan(n=64):
+@pytest.mark.parametrize(("dtype", "value"), [(torch.float32, 3e38), (torch.float16, 60000.0),
+                                              (torch.bfloat16, 3e38), (torch.float64, 1e308)])
+def test_a_few_values_are_read_as_floats_and_large_finite_ones_never_raise(monkeypatch, dtype, value):
+    """A CPU tensor of at most FEW_ELEMENTS elements (a small layer's gradients, an RL policy's logits at every call)
+    is read as Python floats, with no torch op. Summed in double, large finite values of any dtype but float64 do
+    not overflow; float64 ones that do are re-checked exactly. None raises, and a NaN among them is named."""
+    g = ampguard.install()
+    model = torch.nn.Linear(4, 4).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    reads = _gradient_reads(monkeypatch, model)
+    sums = []
+    monkeypatch.setattr(sinks, "sum_status", lambda t, real=sinks.sum_status: sums.append(t.numel()) or real(t))
+    model(torch.zeros(2, 4, dtype=dtype)).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.fill_(value)
+    opt.step()
+    assert reads == [("values", 16), ("values", 4)] and g.stats.nonfinite_detected == 0
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.fill_(value)
+        for _ in range(2):
+            model(torch.zeros(2, 4, dtype=dtype))  # 8 outputs, each `value`
+        nonfinite.check()
+    assert g.stats.nonfinite_detected == 0
+    assert sums == ([8, 8] if dtype == torch.float64 else [])  # (only a double sum that overflowed takes an op)
+    with torch.no_grad():
+        model.bias.zero_()
+    model(torch.zeros(2, 4, dtype=dtype)).sum().backward()
+    model.weight.grad[1, 2] = float("nan")
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    assert info.value.sink == "gradient of parameter 'weight'"
+    with torch.no_grad():
+        model.bias[3] = float("nan")
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            model(torch.zeros(2, 4, dtype=dtype))
+            nonfinite.check()
+    assert info.value.sink == "output of module 'Linear'"
+
+
+def _summing_to_nan(n=128):
     """Finite float32 values whose sum is NaN on this CPU: partial sums overflow to +Inf and -Inf (found, not
     assumed: the test that uses it asserts it)."""
     for pattern in ([3e38, -3e38], [3e38, 3e38, -3e38, -3e38], [3e38] * 8 + [-3e38] * 8, [3e38] * 16 + [-3e38] * 16):

@@ -48,6 +48,7 @@ def _switch_hooks() -> Any:
     sinks._any_autocast = torch._C._is_any_autocast_enabled
     sinks._autocast_devices = sinks.known_autocast_devices()
     sinks._FLOAT8 = sinks.float8_dtypes(torch)
+    sinks._READ_AS_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
     handles: list = []
     modules_off: Any = None
     ignore: Any = None

@@ -341,6 +341,27 @@ def sum_status(tensor: Any) -> Any:
     return tensor.sum(dtype=_torch.float32)  # (an fp16 sum overflows at 65504: each such step a re-check)
 
 
+# A CPU tensor of at most FEW_ELEMENTS elements is read as Python floats (tolist()), its status their sum: no torch op
+# at all. An RL policy's logits and its value head's output, read at every call, and a small network's gradients are
+# such tensors. In place each torch op costs 5-15 us cold, and a sum with its item() read cost some 16 us more per
+# call than tolist() (benchmarks/in_place.py); in a tight loop tolist() is the cheaper up to some 120 elements.
+FEW_ELEMENTS = 64
+_READ_AS_FLOATS: frozenset = frozenset()  # the real floating dtypes (bound with _torch)
+
+
+def few_values_sum(tensor: Any) -> float | None:
+    """The sum of a small plain CPU tensor's elements, read as Python floats (see FEW_ELEMENTS), or None where the
+    tensor is not one: larger, over 2-D, not of a real floating dtype, not strided, or nested. Summed in double,
+    the finite values of every such dtype but float64 never overflow; like a sum op's, it is NaN or +-Inf where an
+    element is, and NaN for +Inf and -Inf elements together."""
+    dim = tensor.dim()
+    if dim > 2 or tensor.numel() > FEW_ELEMENTS or tensor.dtype not in _READ_AS_FLOATS or \
+            tensor.layout is not _torch.strided or tensor.is_nested:
+        return None
+    values = tensor.tolist()
+    return values if dim == 0 else sum(values, 0.0) if dim == 1 else sum(map(sum, values), 0.0)
+
+
 def _gradient_statuses(grads: list) -> tuple[list, list]:
     """The statuses of ``grads``' plain CPU tensors (see :func:`sum_status`), the small ones of the first one's
     dtype a buffer of them at a time (see SMALL), and the tensors left for the foreach norm: every one on a device,
@@ -362,7 +383,9 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
                 buffers.append(chunk)
                 chunk, size = [], 0
         else:
-            statuses.append(sum_status(g))  # (float8 too: its float32 sum is the one reduction torch takes of it)
+            value = few_values_sum(g) if n <= FEW_ELEMENTS else None
+            # (float8 too: its float32 sum is the one reduction torch takes of it)
+            statuses.append(value if value is not None else sum_status(g))
     if len(chunk) >= FEW:
         buffers.append(chunk)
     else:
@@ -889,8 +912,12 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             host = type(o) is _Tensor and o.is_cpu and _sync.HOST_READS  # (read now: a sum, see sum_status)
+            if host:
+                total = few_values_sum(o)
+                if total is not None and total - total == 0.0:
+                    continue  # finite: every element is (no torch op: see FEW_ELEMENTS)
             status = sum_status(stored(o)) if host else norm(o)
-            value = _sync.host_value(status)  # (on the CPU a read is no sync: known now, raised at the read)
+            value = status.item() if host else _sync.host_value(status)  # (a CPU read is no sync: known now)
             if value is not None and value - value == 0.0:
                 continue  # finite: nothing left to read (an Inf is still judged at the read: the repro command does)
             if host and value != value and not bool(_torch.isnan(stored(o)).any()):
@@ -1676,6 +1703,7 @@ def _statuses(g: _guard.Guard) -> Any:
         host = _sync.on_host(statuses)
         if host is not None:
             return host
+    statuses = [s if isinstance(s, tensor) else _torch.tensor(s, dtype=_torch.float64) for s in statuses]
     if len(statuses) == 1:
         return statuses[0]  # (0-dim: the read takes it as one value)
     device = statuses[0].device
