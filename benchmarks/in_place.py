@@ -11,11 +11,13 @@ first 50 dropped, or half of a short run's).
 Two experiments, each a status that ampguard reads at once on the CPU:
 
 - a gradient sink's statuses (``sinks._statuses``, their host reads included), taken as ampguard
-  takes them (a sum of each gradient, the small ones a buffer at a time) against the foreach 2-norm
-  it took before (with the buffers' 2-norm). Workloads: the Lightning fit of overhead.py (two small
+  takes them (a small gradient's few values read as Python floats, a sum of each other one, the small
+  ones a buffer at a time), as sums alone (before the few values), and as the foreach 2-norm (before
+  the sums; with the buffers' 2-norm). Workloads: the Lightning fit of overhead.py (two small
   gradients), and plain SGD loops of Linear layers;
-- an inference output's status, as the whole end of its outermost call (``sinks.exit``): its sum
-  against its 2-norm, on overhead.py's RL rollout (a policy and a value MLP per step).
+- an inference output's status, as the whole end of its outermost call (``sinks.exit``): its few
+  values read as Python floats, its sum, and its 2-norm, on overhead.py's RL rollout (a policy and a
+  value MLP per step).
 
     python benchmarks/in_place.py
     python benchmarks/in_place.py --quick       # seconds: a smoke run for the tests
@@ -68,22 +70,34 @@ def two_norm_statuses(grads: list) -> tuple[list, list]:
     return [sinks.norm(flatten(b)) for b in buffers], rest
 
 
-GRADIENTS = {"sums (ampguard)": sinks._gradient_statuses, "foreach 2-norm (before)": two_norm_statuses}
-OUTPUTS = {"sum (ampguard)": sinks.sum_status, "2-norm (before)": sinks.norm}
+AMPGUARD = sinks._gradient_statuses
+GRADIENTS = {
+    "values and sums (ampguard)": {"_gradient_statuses": AMPGUARD, "FEW_ELEMENTS": sinks.FEW_ELEMENTS},
+    "sums (before)": {"_gradient_statuses": AMPGUARD, "FEW_ELEMENTS": 0},
+    "foreach 2-norm (earlier)": {"_gradient_statuses": two_norm_statuses, "FEW_ELEMENTS": 0},
+}
+OUTPUTS = {
+    "values (ampguard)": {"sum_status": sinks.sum_status, "FEW_ELEMENTS": sinks.FEW_ELEMENTS},
+    "sum (before)": {"sum_status": sinks.sum_status, "FEW_ELEMENTS": 0},
+    "2-norm (earlier)": {"sum_status": sinks.norm, "FEW_ELEMENTS": 0},
+}
 
 
-def alternated(run: Any, owner: Any, name: str, swapped: str, variants: dict, per_step: int) -> dict:
-    """ns per call of ``owner.name`` while ``run()`` trains under a guard, with ``sinks.<swapped>`` set to each of
-    ``variants`` in turn, changed every ``per_step`` calls (a step); keyed (variant, which call of the step)."""
+def alternated(run: Any, owner: Any, name: str, variants: dict, per_step: int) -> dict:
+    """ns per call of ``owner.name`` while ``run()`` trains under a guard, with the attributes of ``sinks`` that each
+    of ``variants`` names set to its values in turn, changed every ``per_step`` calls (a step); keyed (variant,
+    which call of the step)."""
     times: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
-    names, calls, clock, chosen = list(variants), itertools.count(), time.perf_counter_ns, getattr(sinks, swapped)
+    names, calls, clock = list(variants), itertools.count(), time.perf_counter_ns
+    chosen = {attribute: getattr(sinks, attribute) for settings in variants.values() for attribute in settings}
     with ampguard.guard():  # (first: the outermost call's exit is bound to its hooks as they switch on)
         function = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             n = next(calls)
             variant = names[n // per_step % len(names)]
-            setattr(sinks, swapped, variants[variant])
+            for attribute, value in variants[variant].items():
+                setattr(sinks, attribute, value)
             start = clock()
             try:
                 return function(*args, **kwargs)
@@ -95,12 +109,13 @@ def alternated(run: Any, owner: Any, name: str, swapped: str, variants: dict, pe
             run()
         finally:
             setattr(owner, name, function)
-            setattr(sinks, swapped, chosen)
+            for attribute, value in chosen.items():
+                setattr(sinks, attribute, value)
     return times
 
 
 def gradient_statuses(run: Any) -> dict:
-    return alternated(run, sinks, "_statuses", "_gradient_statuses", GRADIENTS, 1)
+    return alternated(run, sinks, "_statuses", GRADIENTS, 1)
 
 
 def output_statuses(steps: int) -> dict:
@@ -111,7 +126,7 @@ def output_statuses(steps: int) -> dict:
         for _ in range(steps):
             step()
 
-    return alternated(run, outermost.H, "exit", "sum_status", OUTPUTS, 2)
+    return alternated(run, outermost.H, "exit", OUTPUTS, 2)
 
 
 def median_us(values: list[int]) -> float:
@@ -147,15 +162,15 @@ def main() -> None:
     print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, 1 torch thread; median us a call, variants "
           "alternated step by step")
     print("\na gradient sink's statuses and their reads (sinks._statuses)")
-    print(f"  {'workload':44s}" + "".join(f"{name:>26s}" for name in GRADIENTS))
+    print(f"  {'workload':44s}" + "".join(f"{name:>28s}" for name in GRADIENTS))
     for title, run in runs:
         times = gradient_statuses(run)
-        print(f"  {title:44s}" + "".join(f"{median_us(times[name, 0]):>23.1f} us" for name in GRADIENTS))
+        print(f"  {title:44s}" + "".join(f"{median_us(times[name, 0]):>25.1f} us" for name in GRADIENTS))
     print("\nan inference output's status: the end of its outermost call (sinks.exit), RL rollout")
-    print(f"  {'call':44s}" + "".join(f"{name:>26s}" for name in OUTPUTS))
+    print(f"  {'call':44s}" + "".join(f"{name:>28s}" for name in OUTPUTS))
     times = output_statuses(max(60, int(8000 * scale)))
     for which, title in enumerate(("policy MLP 8-64-64-4", "value MLP 8-64-1")):
-        print(f"  {title:44s}" + "".join(f"{median_us(times[name, which]):>23.1f} us" for name in OUTPUTS))
+        print(f"  {title:44s}" + "".join(f"{median_us(times[name, which]):>25.1f} us" for name in OUTPUTS))
 
 
 if __name__ == "__main__":
