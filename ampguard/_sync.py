@@ -22,16 +22,17 @@ class OnHost(list):
     """Values a participant read itself from CPU tensors (see :func:`on_host`)."""
 
 
-# The CPU's own shortcuts: statuses read one by one where they are (on_host), taken as sums (sinks.sum_status) and
-# small gradients summed a buffer at a time (sinks._gradient_statuses). Tests turn it off to run the device path on
-# a CPU.
+# The CPU's own shortcuts: statuses read one by one where they are (on_host), taken as sums (sinks.sum_status), a
+# few values read as Python floats (sinks.few_values_sum) and small gradients summed a buffer at a time
+# (sinks._gradient_statuses). Tests turn it off to run the device path on a CPU.
 HOST_READS = True
 
 
 def on_host(statuses: list[Any]) -> OnHost | None:
-    """The values of 0-dim ``statuses`` read one by one, if all are on the CPU. A CPU read is no device
-    sync, and on a small step each op that would make one tensor of them (a stack, then its read) costs
-    more than the reads it saves: each op runs cold there, at some 5-15 us."""
+    """The values of 0-dim ``statuses`` read one by one, if all are on the CPU (a Python float among them is a value
+    read already: sinks.few_values_sum). A CPU read is no device sync, and on a small step each op that would make
+    one tensor of them (a stack, then its read) costs more than the reads it saves: each op runs cold there, at some
+    5-15 us."""
     if not HOST_READS:
         return None
     for s in statuses:

@@ -363,8 +363,9 @@ def few_values_sum(tensor: Any) -> float | None:
 
 
 def _gradient_statuses(grads: list) -> tuple[list, list]:
-    """The statuses of ``grads``' plain CPU tensors (see :func:`sum_status`), the small ones of the first one's
-    dtype a buffer of them at a time (see SMALL), and the tensors left for the foreach norm: every one on a device,
+    """The statuses of ``grads``' plain CPU tensors (see :func:`sum_status`; a Python float for a tensor of a few
+    values, see FEW_ELEMENTS), the small ones of the first one's dtype a buffer of them at a time (see SMALL) where
+    there are many, and the tensors left for the foreach norm: every one on a device,
     where the foreach norm is one kernel for all, and where tests take the device path on a CPU
     (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective."""
     if not _sync.HOST_READS:
@@ -911,7 +912,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             pending.append(Pending(g, None, True, [ref], ref, call, key=k))
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
-            host = type(o) is _Tensor and o.is_cpu and _sync.HOST_READS  # (read now: a sum, see sum_status)
+            host = type(o) is _Tensor and o.is_cpu and _sync.HOST_READS  # (read now: few values or a sum, below)
             if host:
                 total = few_values_sum(o)
                 if total is not None and total - total == 0.0:
@@ -1703,6 +1704,7 @@ def _statuses(g: _guard.Guard) -> Any:
         host = _sync.on_host(statuses)
         if host is not None:
             return host
+    # (a device's read, or the all-reduce: a few values read as a float are a tensor again, in double as summed)
     statuses = [s if isinstance(s, tensor) else _torch.tensor(s, dtype=_torch.float64) for s in statuses]
     if len(statuses) == 1:
         return statuses[0]  # (0-dim: the read takes it as one value)
