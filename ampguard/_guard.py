@@ -300,7 +300,7 @@ def _uninstall_if_unused() -> None:
 def _backward_owner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """A backward started in a thread with a guard() block: hooks on autograd's worker threads use that guard."""
     global _backward_guard
-    g = _LOCAL.guard
+    g = _LOCAL.guard if _blocks else None  # (see current())
     if g is None:
         return wrapped(*args, **kwargs)
     outer, _backward_guard = _backward_guard, g
