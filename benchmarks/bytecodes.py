@@ -59,10 +59,9 @@ class Counter:
 def count(workload: str, options: dict[str, Any] | None, steps: int) -> Counter:
     import overhead
 
-    import ampguard
 
     counter = Counter()
-    block = contextlib.nullcontext() if options is None else ampguard.guard(**options)
+    block = contextlib.nullcontext() if options is None else overhead.installed(**options)
     try:
         with block:
             if workload in ("tiny", "rollout"):

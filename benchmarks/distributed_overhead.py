@@ -15,15 +15,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import ampguard
+from overhead import installed  # (this folder: install() and uninstall() around each configuration)
 
 CONFIGS = {
     "plain": lambda: contextlib.nullcontext(),
-    "install(distributed=False)": lambda: ampguard.guard(distributed=False),
-    "install() (rank agreement)": lambda: ampguard.guard(),
-    "nonfinite='off', distributed=False": lambda: ampguard.guard(nonfinite="off", distributed=False),
-    "nonfinite='off' (rank agreement)": lambda: ampguard.guard(nonfinite="off"),
+    "install(distributed=False)": lambda: installed(distributed=False),
+    "install() (rank agreement)": lambda: installed(),
+    "nonfinite='off', distributed=False": lambda: installed(nonfinite="off", distributed=False),
+    "nonfinite='off' (rank agreement)": lambda: installed(nonfinite="off"),
 }
 
 

@@ -184,9 +184,9 @@ def main() -> None:
     torch.set_num_threads(1)
     configs = {"plain": contextlib.nullcontext,
                "floor: skip tracking": lambda: floor(sinks=False),
-               "nonfinite='off'": lambda: ampguard.guard(nonfinite="off"),
+               "nonfinite='off'": lambda: overhead.installed(nonfinite="off"),
                "floor: + sinks and tape": lambda: floor(sinks=True),
-               "install() (default)": ampguard.guard}
+               "install() (default)": overhead.installed}
     overhead.CONFIGS.update(configs)
     print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {overhead.DEVICE}, "
           f"{options.reps} interleaved reps")

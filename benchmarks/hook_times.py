@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # (the workloads)
 import torch
 
-import ampguard
 from ampguard import _patching, lints, schedulers
 from ampguard.nonfinite import outermost, sinks
 
@@ -118,8 +117,8 @@ def _timer_cost() -> float:
 
 
 def run(workload: str, options: dict | None, steps: int) -> tuple[float, int]:
-    """The median step in us, plain (``options`` None) or under guard(**options), and the steps the rows count."""
-    scope = ampguard.guard(**options) if options is not None else contextlib.nullcontext()
+    """The median step in us, plain (``options`` None) or under install(**options), and the steps the rows count."""
+    scope = overhead.installed(**options) if options is not None else contextlib.nullcontext()
     if workload == "lightning":
         fit = overhead.lightning_fit()
         with scope:

@@ -45,11 +45,10 @@ def child(workload: str, config: str, steps: int) -> None:
     import overhead
     import torch
 
-    import ampguard
 
     torch.set_num_threads(1)
     options = CONFIGS[config]
-    block = contextlib.nullcontext() if options is None else ampguard.guard(**options)
+    block = contextlib.nullcontext() if options is None else overhead.installed(**options)
     with block:
         if workload in ("tiny", "rollout"):
             step = overhead.tiny() if workload == "tiny" else overhead.rollout()

@@ -59,11 +59,10 @@ def child(workload: str, config: str, seconds: float) -> None:
     import overhead
     import torch
 
-    import ampguard
 
     torch.set_num_threads(1)
     options = CONFIGS[config]
-    with contextlib.nullcontext() if options is None else ampguard.guard(**options):
+    with contextlib.nullcontext() if options is None else overhead.installed(**options):
         if workload == "tiny":
             run, per_run = overhead.tiny(), 1
             for _ in range(50):
