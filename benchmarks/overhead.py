@@ -45,12 +45,13 @@ def _sync() -> None:
 warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled", category=UserWarning)
 
 
-
 @contextlib.contextmanager
 def installed(**options):
     """ampguard as a training script runs it: ``install(**options)`` (what ``AMPGUARD=1`` does at start-up), and
-    ``uninstall()`` after. Every benchmark's ampguard configurations run this way. A ``guard()`` block, as tests use
-    it, costs a thread-local read more at each hook (some 14 a small step)."""
+    ``uninstall()`` after. The configurations this file times, and those of the benchmarks that time whole steps or
+    count them, run this way. A ``guard()`` block, as tests use it, costs a thread-local read more at each hook (some
+    14 a small step); the memory and replay measurements here, in_place.py and added_ops.py use one, which changes
+    nothing they measure."""
     ampguard.install(**options)
     try:
         yield
