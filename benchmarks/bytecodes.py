@@ -59,7 +59,6 @@ class Counter:
 def count(workload: str, options: dict[str, Any] | None, steps: int) -> Counter:
     import overhead
 
-
     counter = Counter()
     block = contextlib.nullcontext() if options is None else overhead.installed(**options)
     try:

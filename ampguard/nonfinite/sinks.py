@@ -1667,6 +1667,7 @@ def _statuses(g: _guard.Guard) -> Any:
     pending, t.pending = t.pending, []
     tensor = _Tensor
     tensors, taken, layout = [], [], []
+    summed = False  # a gradient status was taken here on the CPU: it may be a Python float (see few_values_sum)
     for p in pending:
         if p.guard is not g:
             continue  # another guard's: dropped, never judged here
@@ -1677,6 +1678,7 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.params is not None and (len(p.parts) > 1 or p.parts[0].dim()):  # gradients (a 0-dim part: the clip's
             # total norm, or one scalar parameter's gradient, is its own status, taken below)
             flat, rest = _gradient_statuses(p.parts)
+            summed = summed or bool(flat)
             for status in flat:
                 at.append(~len(taken))
                 taken.append(status)
@@ -1704,8 +1706,8 @@ def _statuses(g: _guard.Guard) -> Any:
         host = _sync.on_host(statuses)
         if host is not None:
             return host
-    # (a device's read, or the all-reduce: a few values read as a float are a tensor again, in double as summed)
-    statuses = [s if isinstance(s, tensor) else _torch.tensor(s, dtype=_torch.float64) for s in statuses]
+    if summed:  # (a device's read, or the all-reduce: a few values read as a float are a tensor again, in double)
+        statuses = [s if isinstance(s, tensor) else _torch.tensor(s, dtype=_torch.float64) for s in statuses]
     if len(statuses) == 1:
         return statuses[0]  # (0-dim: the read takes it as one value)
     device = statuses[0].device
