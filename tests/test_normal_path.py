@@ -199,6 +199,19 @@ def _gradient_reads(monkeypatch, model):
     return reads
 
 
+def _sum_ops(monkeypatch):
+    """The elements of each tensor whose status is a sum op (any tensor: a gradient, a buffer, an output)."""
+    sums = []
+    real = sinks.sum_status
+
+    def counted(tensor):
+        sums.append(tensor.numel())
+        return real(tensor)
+
+    monkeypatch.setattr(sinks, "sum_status", counted)
+    return sums
+
+
 def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     ampguard.install()
     model = Net()
@@ -298,8 +311,7 @@ def test_a_few_values_are_read_as_floats_and_large_finite_ones_never_raise(monke
     model = torch.nn.Linear(4, 4).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     reads = _gradient_reads(monkeypatch, model)
-    sums = []
-    monkeypatch.setattr(sinks, "sum_status", lambda t, real=sinks.sum_status: sums.append(t.numel()) or real(t))
+    sums = _sum_ops(monkeypatch)
     model(torch.zeros(2, 4, dtype=dtype)).sum().backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -469,8 +481,7 @@ def test_an_inference_output_of_plus_and_minus_inf_is_no_nan(monkeypatch, read_p
     the repro command still judges; a NaN beside them is named."""
     g = ampguard.install()
     model = Scores()
-    sums = []
-    monkeypatch.setattr(sinks, "sum_status", lambda t, real=sinks.sum_status: sums.append(t.numel()) or real(t))
+    sums = _sum_ops(monkeypatch)
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(4, 8))
