@@ -281,9 +281,15 @@ def _live() -> list[Guard]:
     return ([_installed] if _installed is not None else []) + [g for stack in _blocks.values() for g in stack]
 
 
+# Not an option: "on" while a guard() block is open in some thread. Only a block's guard needs _backward_owner, so
+# install() and AMPGUARD=1 runs pay no wrapper on every backward() for it.
+BLOCKS = "guard() blocks"
+
+
 def _update_switches() -> None:
     """Global hooks follow the features some live guard has on (each hook then asks current())."""
-    REGISTRY.set_features(frozenset().union(*(g._on for g in _live())))
+    on = frozenset().union(*(g._on for g in _live()))
+    REGISTRY.set_features(on | {BLOCKS} if _blocks else on)
 
 
 def _ensure_installed() -> None:
@@ -311,7 +317,8 @@ def _backward_owner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 REGISTRY.add(Target("torch", "torch.autograd", "backward", _backward_owner,
-                    "hooks that run on autograd's worker threads belong to the guard of the thread that started it"))
+                    "hooks that run on autograd's worker threads belong to the guard of the thread that started it",
+                    feature=BLOCKS))
 
 
 class _Unset:

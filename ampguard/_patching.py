@@ -86,8 +86,8 @@ class Target:
     accept: Callable[[type, Any], str | None] | None = None
     # Leave the base class's own method as it is and wrap only the overrides: the base's never needs the wrapper
     overrides_only: bool = False
-    # The feature (an option: "nonfinite", "lint", ...) whose wrapper this is: applied once some live guard has
-    # it on, as a Switch is. None: needed by every feature.
+    # The feature (an option: "nonfinite", "lint", ...; or _guard.BLOCKS, while a guard() block is open) whose wrapper
+    # this is: applied once some live guard has it on, as a Switch is. None: needed by every feature.
     feature: str | None = None
 
 

@@ -102,13 +102,17 @@ def test_uninstall_restores_the_exact_objects():
 
 
 def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_restores_it_all():
-    """install(nonfinite="off", lint=False) leaves GradScaler.scale and autograd.backward's sink unwrapped (a
-    wrapped call costs wrapt's binding even when the wrapper returns at once); a guard() with the features on
-    wraps them for its block, and they keep working; uninstall() restores every original."""
+    """install(nonfinite="off", lint=False) leaves GradScaler.scale and autograd.backward unwrapped (a wrapped call
+    costs wrapt's binding even when the wrapper returns at once: backward's thread-owner wrapper is a guard() block's
+    alone); a guard() with the features on wraps them for its block, and they keep working; uninstall() restores
+    every original."""
     import torch
     from loops import data, model
     from torch.amp.autocast_mode import autocast
     from torch.amp.grad_scaler import GradScaler
+
+    from ampguard._guard import _backward_owner
+    from ampguard.nonfinite.sinks import _backward
 
     originals = {(GradScaler, "scale"): vars(GradScaler)["scale"], (autocast, "__enter__"): vars(autocast)["__enter__"],
                  (GradScaler, "update"): vars(GradScaler)["update"]}
@@ -117,13 +121,16 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
     assert vars(GradScaler)["scale"] is originals[(GradScaler, "scale")]
     assert vars(autocast)["__enter__"] is originals[(autocast, "__enter__")]
     assert vars(GradScaler)["update"].__wrapped__ is originals[(GradScaler, "update")]  # schedulers: on
-    assert torch.autograd.backward.__wrapped__ is backward  # the guard's own wrapper (threads), not the sink's
+    assert torch.autograd.backward is backward  # neither the sink's wrapper nor a block's (threads): no block is open
 
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     with ampguard.guard(nonfinite="raise"):
         assert vars(GradScaler)["scale"].__wrapped__ is originals[(GradScaler, "scale")]
+        outer = torch.autograd.backward
+        assert outer.__wrapped__.__wrapped__ is backward
+        assert {outer._self_wrapper, outer.__wrapped__._self_wrapper} == {_backward_owner, _backward}  # (either order)
         head = m(data(0)[0])
         with pytest.raises(ampguard.NonFiniteError, match="loss"):
             scaler.scale(torch.log(head.sum() * 0 - 1)).backward()  # NaN loss: the sink's wrapper is live
