@@ -149,7 +149,8 @@ class Guard:
         self._on = frozenset(f for f in _FEATURES if getattr(self.options, f) not in (False, "off")) - self._disabled
 
     def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
-        """The state one feature keeps for this Guard (its weak maps), created on first use."""
+        """The state one feature keeps for this Guard (its weak maps), created on first use. A hook that asks at
+        every step reads ``_state.get(feature)`` first: the method call costs more than the lookup."""
         try:
             return self._state[feature]
         except KeyError:

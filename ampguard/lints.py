@@ -67,7 +67,8 @@ class _State:
 
 
 def _state(g: _guard.Guard) -> _State:
-    return g.feature_state(FEATURE, _State)
+    state = g._state.get(FEATURE)  # (one dict read, no call: two hooks ask at every step; see feature_state)
+    return state if state is not None else g.feature_state(FEATURE, _State)
 
 
 class _Autocast(threading.local):

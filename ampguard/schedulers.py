@@ -84,7 +84,8 @@ class _Tables:
 
 
 def tables(g: Guard) -> _Tables:
-    return g.feature_state(FEATURE, _Tables)
+    state = g._state.get(FEATURE)  # (one dict read, no call: three hooks ask at every step; see feature_state)
+    return state if state is not None else g.feature_state(FEATURE, _Tables)
 
 
 def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:

@@ -84,7 +84,8 @@ _eager_names: Any = None
 
 
 def _exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
-    _eager_names_off()
+    if _eager_names is not None:  # (no call at each outermost call where trace='eager' never ran)
+        _eager_names_off()
     sinks.exit(module, args, kwargs, output, raised)
 
 

@@ -77,6 +77,7 @@ class _Open:
 
 
 _here = PerThread(_Open)
+here = _here  # (read by the sinks' hooks, which ask at every step whether a call is open, without a call)
 
 
 def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],

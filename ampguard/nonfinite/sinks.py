@@ -159,11 +159,6 @@ class Pending:
         self.optimizer = optimizer  # a weakref to the optimizer
         self.ref = ref  # a loss: the Ref through which the replay finds it
 
-    @property
-    def covered(self) -> bool:
-        """An output whose status was not taken when made (a grad-enabled call): a later loss covers it."""
-        return self.call is not None and self.status is None
-
     def alive(self) -> list:
         """The parts, with each weakly held one resolved (None where the user dropped it)."""
         return [part if isinstance(part, _Tensor) else part() for part in self.parts]
@@ -511,8 +506,8 @@ def weak(value: Any, data: bool) -> Any:
             return value
         produced = _here.state.produced
         out = []
-        for v in value:  # (a loop, not a comprehension: this runs for every recorded call)
-            out.append(_weak_one(v, data, produced))
+        for v in value:  # (a loop, not a comprehension: this runs for every recorded call; no call for a number)
+            out.append(v if type(v) in _ATOMS else _weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
         for item in value.values():
@@ -596,16 +591,19 @@ _kinds: dict[type, str | None] = {}
 def kind(module: Any) -> str | None:
     """'wrapper' for DDP/DataParallel/FSDP, Lightning's strategy wrapper and Fabric's module, whose forward is
     plumbing around the user's module; 'compiled' for a torch.compile'd module; 'metric' for a torchmetrics metric
-    or collection of them; None otherwise. Once per class."""
+    or collection of them; 'graph' for an fx GraphModule (see :func:`_compiled_graph_call`); None otherwise. Once per
+    class: a class of a module imported later cannot be a subclass of that module's classes."""
     cls = type(module)
     if cls in _kinds:
         return _kinds[cls]
     wrappers = tuple(getattr(sys.modules[m], name) for m, name in _WRAPPERS if m in sys.modules)
     metrics = tuple(getattr(sys.modules[m], name) for m, name in _METRICS if m in sys.modules)
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    fx = sys.modules.get("torch.fx.graph_module")
     result = "wrapper" if wrappers and issubclass(cls, wrappers) else \
         "compiled" if eval_frame is not None and issubclass(cls, eval_frame.OptimizedModule) else \
-        "metric" if metrics and issubclass(cls, metrics) else None
+        "metric" if metrics and issubclass(cls, metrics) else \
+        "graph" if fx is not None and issubclass(cls, fx.GraphModule) else None
     _kinds[cls] = result
     return result
 
@@ -722,9 +720,9 @@ def enter(module: Any, frame: Any) -> int:
     if g is None or _graph_task_id() != -1 or _in_worker() or t.fetching or t.measuring:
         # a checkpoint's re-run in backward, a DataLoader's fetch (see _in_worker), a module inside a metric
         return outermost.NOT_OUTERMOST
-    if _compiled_graph_call(module, frame):
-        return outermost.NOT_OUTERMOST
     what = kind(module)
+    if what == "graph" and _compiled_graph_call(frame):
+        return outermost.NOT_OUTERMOST
     if what == "wrapper":
         # DDP/FSDP/Lightning's wrapper, whose module is the outermost user call. DDP that looks for unused
         # parameters hands that call's outputs back through an identity Function (see _passed_through).
@@ -737,7 +735,8 @@ def enter(module: Any, frame: Any) -> int:
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
     resume = t.taping and not grad
-    end_tape(t)
+    if t.tape is not None:  # (a call per step saved where no record is on; so at each hook below)
+        end_tape(t)
     shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
@@ -768,12 +767,11 @@ def enter(module: Any, frame: Any) -> int:
     return outermost.OUTERMOST
 
 
-def _compiled_graph_call(module: Any, frame: Any) -> bool:
+def _compiled_graph_call(frame: Any) -> bool:
     """torch.compile's runtime running one of its graphs: an fx GraphModule (the aot_eager and eager backends run
     them as modules) called from torch's frames alone. It is not a user's call, and cannot be replayed: its
     inputs are a list that the runtime empties as it goes. A GraphModule the user's code calls is a user call."""
-    fx = sys.modules.get("torch.fx.graph_module")
-    return fx is not None and isinstance(module, fx.GraphModule) and first_user(frame, 8) is None
+    return first_user(frame, 8) is None  # (the module is a GraphModule: see kind())
 
 
 def _on_a_device(pending: list) -> bool:
@@ -981,7 +979,8 @@ def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
 
 def roots(g: _guard.Guard) -> dict:
     """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
-    return g.feature_state("nonfinite_roots", dict)
+    known = g._state.get("nonfinite_roots")  # (one dict read, no call: every outermost call asks; see feature_state)
+    return known if known is not None else g.feature_state("nonfinite_roots", dict)
 
 
 def known_root(g: _guard.Guard, module: Any) -> None:
@@ -995,7 +994,7 @@ def known_root(g: _guard.Guard, module: Any) -> None:
 
 def _recover() -> None:
     """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
-    if outermost.recover():
+    if outermost.here.state.root is not None and outermost.recover():  # (no call where none is open)
         forget_calls()
         drop()
 
@@ -1076,7 +1075,7 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
     window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
-                         _autocast_state(), _torch.is_grad_enabled(), index))
+                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
 
@@ -1151,7 +1150,8 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
         return
     t = _here.state
     if t.pending:
-        t.pending = [p for p in t.pending if not p.covered]
+        # (an output whose status was not taken when made, a grad-enabled call's, is covered by the loss)
+        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
     ref = weak(loss, False)
     t.losses.append(ref)
     if loss.numel() == 1:
@@ -1172,7 +1172,8 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     try:
         _recover()
-        end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
+        if t.tape is not None:
+            end_tape(t)  # under Tensor.backward the mode is ours to pop only at the next hook
         _add_losses(g, args[0] if args else kwargs.get("tensors"), plain=False)
         t.backward_since_read = True
         t.passing = False
@@ -1450,7 +1451,8 @@ def optimizer_pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     if g is None or t.replaying:
         return None
     _recover()
-    end_tape(t)
+    if t.tape is not None:
+        end_tape(t)
     while t.hidden:  # a skipped step that raised: its post-step hook never gave the gradients back
         for param, grad in t.hidden.pop()[1]:
             param.grad = grad
@@ -1829,7 +1831,8 @@ def _finite_after_all(p: Pending) -> bool:
 
 def _clear_window() -> None:
     t = _here.state
-    end_tape(t)
+    if t.tape is not None:
+        end_tape(t)
     t.resume_tape = False
     t.window = []
     t.produced = {}
