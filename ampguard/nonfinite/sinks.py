@@ -530,7 +530,7 @@ def _weak_one(value: Any, data: bool, produced: dict) -> Any:
             return made  # the window made it: the same Ref for every use (Refs are never changed)
         if data and value.grad_fn is None and not value.requires_grad:
             return value
-        return _passed_through(value, produced) or Ref(weakref.ref(value), -1, None)
+        return (value.grad_fn is not None and _passed_through(value, produced)) or Ref(weakref.ref(value), -1, None)
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         return weak(value, data)
@@ -1853,7 +1853,8 @@ def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    end_tape(t)  # the read's own ops are not the user's loss code
+    if t.tape is not None:
+        end_tape(t)  # the read's own ops are not the user's loss code
     if t.pending or t.agree is not None:  # (at a skip-mode step every rank reads: the flag)
         _sync.read([])[1]()  # (it ends the window too)
     elif t.window and _guard.current(FEATURE) is not None:
