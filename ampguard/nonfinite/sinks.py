@@ -592,7 +592,7 @@ def kind(module: Any) -> str | None:
     """'wrapper' for DDP/DataParallel/FSDP, Lightning's strategy wrapper and Fabric's module, whose forward is
     plumbing around the user's module; 'compiled' for a torch.compile'd module; 'metric' for a torchmetrics metric
     or collection of them; 'graph' for an fx GraphModule (see :func:`_compiled_graph_call`); None otherwise. Once per
-    class: a class of a module imported later cannot be a subclass of that module's classes."""
+    class, a GraphModule's aside: a class of a module imported later cannot be a subclass of that module's classes."""
     cls = type(module)
     if cls in _kinds:
         return _kinds[cls]
@@ -604,7 +604,8 @@ def kind(module: Any) -> str | None:
         "compiled" if eval_frame is not None and issubclass(cls, eval_frame.OptimizedModule) else \
         "metric" if metrics and issubclass(cls, metrics) else \
         "graph" if fx is not None and issubclass(cls, fx.GraphModule) else None
-    _kinds[cls] = result
+    if result != "graph":  # (fx makes a class per GraphModule: a compiled run's many graphs would stay in the cache)
+        _kinds[cls] = result
     return result
 
 
