@@ -45,7 +45,6 @@ def child(workload: str, config: str, steps: int) -> None:
     import overhead
     import torch
 
-
     torch.set_num_threads(1)
     options = CONFIGS[config]
     block = contextlib.nullcontext() if options is None else overhead.installed(**options)

@@ -59,7 +59,6 @@ def child(workload: str, config: str, seconds: float) -> None:
     import overhead
     import torch
 
-
     torch.set_num_threads(1)
     options = CONFIGS[config]
     with contextlib.nullcontext() if options is None else overhead.installed(**options):

@@ -530,7 +530,8 @@ def _weak_one(value: Any, data: bool, produced: dict) -> Any:
             return made  # the window made it: the same Ref for every use (Refs are never changed)
         if data and value.grad_fn is None and not value.requires_grad:
             return value
-        return (value.grad_fn is not None and _passed_through(value, produced)) or Ref(weakref.ref(value), -1, None)
+        node = value.grad_fn
+        return (node is not None and _passed_through(value, node, produced)) or Ref(weakref.ref(value), -1, None)
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         return weak(value, data)
@@ -548,13 +549,12 @@ def _remade(named: tuple, items: list) -> tuple:
         return named
 
 
-def _passed_through(value: Any, produced: dict) -> Ref | None:
+def _passed_through(value: Any, node: Any, produced: dict) -> Ref | None:
     """DDP with ``find_unused_parameters=True`` hands its module's outputs back through an identity autograd
     Function (``_DDPSink``): such a tensor is known as the window output it passed (whose tensor DDP drops; its
     autograd node, which the new tensor's node keeps, identifies it), so that the replay uses that output's
-    replayed value. Only tensors with history the window did not make get here: no cost on the normal path."""
-    node = value.grad_fn
-    if node is None or type(node).__name__ != "_DDPSinkBackward":
+    replayed value. Only tensors with history (``node``: their grad_fn) that the window did not make get here."""
+    if type(node).__name__ != "_DDPSinkBackward":
         return None
     inner, nr = node.next_functions[value.output_nr]
     made = _here.state.through.get((_node_key(inner), nr)) if inner is not None else None
