@@ -108,6 +108,30 @@ class ObjectState(Generic[V]):
         return value
 
 
+_STATE_FACTORIES: dict[str, Callable[[], Any]] = {}
+
+
+def declare_state(key: str, factory: Callable[[], Any]) -> str:
+    """Declare the state a feature keeps per Guard (its weak maps, its warned-once sets), and return its key.
+
+    ``g.states[key]`` makes it at the first read and every read after is one dict subscript, no call: several hooks
+    ask at every step, and a method call there cost more than the lookup.
+    """
+    if _STATE_FACTORIES.setdefault(key, factory) is not factory:
+        raise ValueError(f"ampguard: the feature state {key!r} is declared twice")
+    return key
+
+
+class _States(dict):
+    """A Guard's feature states by key, each made on first read by the factory declared for its key."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> Any:
+        value = self[key] = _STATE_FACTORIES[key]()
+        return value
+
+
 class PerThread(threading.local):
     """``.state``: one plain object per thread, made by ``factory`` at the thread's first use.
 
@@ -130,7 +154,7 @@ class Guard:
         self._disabled: set[str] = set()  # features switched off after an internal failure
         self.options = options  # (see __setattr__)
         self.stats = Stats()
-        self._state: dict[str, Any] = {}
+        self.states: dict[str, Any] = _States()  # by declare_state()'s key
         self._names: ObjectState[str] = ObjectState(self._name_for)
         self._name_counts: dict[str, int] = {}
         self.reproducers: list[str] = []  # the reproducer bundles written under this guard (repro_dir)
@@ -147,15 +171,6 @@ class Guard:
     def _refresh(self) -> None:
         # The per-op check in current() is one set lookup.
         self._on = frozenset(f for f in _FEATURES if getattr(self.options, f) not in (False, "off")) - self._disabled
-
-    def feature_state(self, feature: str, factory: Callable[[], V]) -> V:
-        """The state one feature keeps for this Guard (its weak maps), created on first use. A hook that asks at
-        every step reads ``_state.get(feature)`` first: the method call costs more than the lookup."""
-        try:
-            return self._state[feature]
-        except KeyError:
-            state = self._state[feature] = factory()
-            return state
 
     def name_of(self, obj: Any) -> str:
         """A stable, readable name for an object in messages: ``AdamW#0``."""

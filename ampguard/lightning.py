@@ -37,6 +37,7 @@ from ._guard import DEPTH
 from ._patching import REGISTRY, Target
 
 FEATURE = "closures"
+WARNED = _guard.declare_state("closures_warned", set)  # g.states[WARNED]: the LightningModule classes warned about
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
 
@@ -165,7 +166,7 @@ _MESSAGES = {
 
 
 def _warn_once(g: _guard.Guard, cls: type, closure: str, case: str, filename: str, lineno: int) -> None:
-    warned = g.feature_state("closures_warned", set)
+    warned = g.states[WARNED]
     if cls in warned:
         return
     warned.add(cls)

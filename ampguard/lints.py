@@ -66,9 +66,7 @@ class _State:
         self.warned: set[str] = set()
 
 
-def _state(g: _guard.Guard) -> _State:
-    state = g._state.get(FEATURE)  # (one dict read, no call: two hooks ask at every step; see feature_state)
-    return state if state is not None else g.feature_state(FEATURE, _State)
+STATE = _guard.declare_state(FEATURE, _State)  # g.states[STATE]
 
 
 class _Autocast(threading.local):
@@ -82,7 +80,7 @@ _AUTOCAST = _Autocast()
 
 
 def _warn_once(g: _guard.Guard, lint: str, message: str) -> None:
-    warned = _state(g).warned
+    warned = g.states[STATE].warned
     if lint not in warned:
         warned.add(lint)
         warn_at_user(message)
@@ -95,7 +93,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     if g is None or not getattr(instance, "_enabled", False):
         return out
     try:
-        iteration = _state(g).iterations.of(instance)
+        iteration = g.states[STATE].iterations.of(instance)
         states = instance._per_optimizer_states
         previous = iteration.token
         if previous is not states:  # a new iteration (update() replaced the dict): learn the last one's optimizers
@@ -135,7 +133,7 @@ def _clip(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
-    state = _state(g)
+    state = g.states[STATE]
     if "clip" in state.warned:
         return
     ready = sys.modules["torch.amp.grad_scaler"].OptState.READY
@@ -193,7 +191,7 @@ def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None:
         return
-    stepped = _state(g).stepped
+    stepped = g.states[STATE].stepped
     if stepped.get(optimizer):
         return
     stepped.of(optimizer)

@@ -83,13 +83,7 @@ class _Tables:
         self.snapshots: _guard.ObjectState[list] = _guard.ObjectState(lambda _: [0, 0])
 
 
-def tables(g: Guard) -> _Tables:
-    state = g._state.get(FEATURE)  # (one dict read, no call: three hooks ask at every step; see feature_state)
-    return state if state is not None else g.feature_state(FEATURE, _Tables)
-
-
-def optimizers(g: Guard) -> _guard.ObjectState[OptimizerRecord]:
-    return tables(g).optimizers
+TABLES = _guard.declare_state(FEATURE, _Tables)  # g.states[TABLES]
 
 
 # -- GradScaler.step -----------------------------------------------------------------------
@@ -138,7 +132,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     found = list(state["found_inf_per_device"].values()) if state else None
     if not found:
         return  # an optimizer with the legacy grad_scaler= contract decides for itself; not tracked
-    t = tables(g)
+    t = g.states[TABLES]
     record = t.scalers.of(scaler)
     opt_record = t.optimizers.of(optimizer)
     if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
@@ -387,7 +381,7 @@ def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], 
 
 def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    record = tables(g).scalers.of(scaler)
+    record = g.states[TABLES].scalers.of(scaler)
     # A check that rode on this iteration's read and failed (NonFiniteError) is raised once the iteration is
     # counted and its scale predicted: update() runs before the error reaches the user (see _scaler_update), and a
     # loop that catches it goes on with the scale, the skip count and the history as the scaler has them.
@@ -509,7 +503,7 @@ def _scheduler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         # or an override's super().step(). The outermost call has decided for all of them.
         return wrapped(*args, **kwargs)
     try:
-        t = tables(g)
+        t = g.states[TABLES]
         optimizer = getattr(instance, "optimizer", None)
         opt_record = t.optimizers.get(optimizer) if optimizer is not None else None  # None: never through a scaler
         snapshot = t.snapshots.get(instance) if opt_record is not None else None
@@ -571,7 +565,7 @@ def note_nonfinite_skip(g: Guard, optimizer: Any) -> None:
     so its schedulers are held for it."""
     if _guard.current(FEATURE) is not g:
         return
-    optimizers(g).of(optimizer).skipped += 1
+    g.states[TABLES].optimizers.of(optimizer).skipped += 1
     _SKIPPING.optimizer = optimizer
 
 
@@ -588,7 +582,7 @@ def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         _RAN.optimizer = optimizer  # the scaler let it run; counted at update()
         return
     g.stats.optimizer_steps_applied += 1
-    record = optimizers(g).get(optimizer)
+    record = g.states[TABLES].optimizers.get(optimizer)
     if record is not None:
         record.applied += 1  # an optimizer that also goes through a scaler: its schedulers follow this step
 

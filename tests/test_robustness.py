@@ -16,7 +16,7 @@ from loops import Overflow, data, model, reference_loop, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
-from ampguard import _options, _sync, nonfinite
+from ampguard import _guard, _options, _sync, nonfinite
 from ampguard._patching import REGISTRY
 
 
@@ -57,7 +57,8 @@ FAULTS = [
     ("ampguard.nonfinite.sinks.exit", {"nonfinite"}),
     ("ampguard.nonfinite.sinks._consume", {"nonfinite"}),
     ("ampguard.lints._check_clip", {"lint"}),
-    ("ampguard.lints._state", {"lint"}),
+    ("ampguard.lints.eps_message", {"lint"}),  # the first optimizer step's lint
+    ("ampguard._guard._STATE_FACTORIES['lint']", {"lint"}),  # its state, made at the first scale() under a guard
 ]
 
 
@@ -69,7 +70,10 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
         guarded_lrs, guarded_params = amp_loop()
     module, _, name = target.rpartition(".")
     g = ampguard.install()
-    monkeypatch.setattr(f"{module}.{name}", raise_injected)
+    if target.endswith("['lint']"):
+        monkeypatch.setitem(_guard._STATE_FACTORIES, "lint", raise_injected)
+    else:
+        monkeypatch.setattr(f"{module}.{name}", raise_injected)
     if target == "ampguard.nonfinite.sinks._consume":  # the shared read holds its own reference
         monkeypatch.setattr(_sync, "_participants", [(f, c, raise_injected if f == "nonfinite" else s)
                                                      for f, c, s in _sync._participants])

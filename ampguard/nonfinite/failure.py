@@ -17,6 +17,8 @@ from ..lints import eps_message
 from . import replay, report, repro, sinks
 from .sinks import Call, Pending, T
 
+WARNED = _guard.declare_state("nonfinite_warned", set)  # warn and skip modes: the keys reported once
+
 log = logging.getLogger("ampguard")
 
 _CAUSES = ("  Common causes under AMP: log/div of 0 or of a value that saturated in fp16; an activation above "
@@ -79,7 +81,7 @@ def _first_time(g: _guard.Guard, key: Any) -> bool:
     """Raise mode: always. Warn and skip mode: once per key (a sink and its module, or an eager op's site)."""
     if g.options.nonfinite not in ("warn", "skip"):
         return True
-    warned = g.feature_state("nonfinite_warned", set)
+    warned = g.states[WARNED]
     if key in warned:
         return False
     warned.add(key)
@@ -279,7 +281,7 @@ def _became(g: _guard.Guard, window: list, rec: replay.OpRecord) -> str:
 
 
 def _roots(g: _guard.Guard, window: list) -> list:
-    known = [ref() for ref in sinks.roots(g).values()]
+    known = [ref() for ref in g.states[sinks.ROOTS].values()]
     return [c.module for c in window if type(c) is Call] + [m for m in known if m is not None]
 
 

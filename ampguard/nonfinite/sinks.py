@@ -59,6 +59,12 @@ from .._patching import clip_arguments
 from . import outermost
 
 FEATURE = "nonfinite"
+# What this feature keeps per Guard, read as g.states[KEY]:
+ROOTS = _guard.declare_state("nonfinite_roots", dict)  # id -> weakref of each module seen called outermost: names
+UNREADABLE_WARNED = _guard.declare_state("nonfinite_unreadable", set)  # output classes warned about once
+SKIPS_IN_ROW = _guard.declare_state("nonfinite_skips_in_row", lambda: [0])  # skip mode's steps skipped in a row
+BUFFER_STASHES = _guard.declare_state("nonfinite_stash", lambda: ObjectState(lambda _: []))  # skip mode: per module
+
 log = logging.getLogger("ampguard")
 RELEASED = -2  # Ref.event of data released at a micro-batch boundary (see _next_micro_batch)
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
@@ -967,7 +973,7 @@ def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
 
 def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
     """Once per tensor class and guard: outputs of this class are not checked (the loss and gradients still are)."""
-    warned = g.feature_state("nonfinite_unreadable", set)
+    warned = g.states[UNREADABLE_WARNED]
     for o, _ in skipped:
         cls = type(o)
         if cls in warned:
@@ -978,16 +984,10 @@ def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
                      "for NaN. A loss computed from them and the gradients still are.")
 
 
-def roots(g: _guard.Guard) -> dict:
-    """id -> weakref of every module this guard saw called outermost: where parameter names come from."""
-    known = g._state.get("nonfinite_roots")  # (one dict read, no call: every outermost call asks; see feature_state)
-    return known if known is not None else g.feature_state("nonfinite_roots", dict)
-
-
 def known_root(g: _guard.Guard, module: Any) -> None:
     """Name parameters from ``module`` (held weakly): an outermost call's, or the LightningModule whose
     training_step calls its parts one by one (``self.G(z)``, ``self.D(x)``), which gives them their full names."""
-    known = roots(g)
+    known = g.states[ROOTS]
     key = id(module)
     if key not in known:
         known[key] = weakref.ref(module, lambda _: known.pop(key, None))
@@ -1523,7 +1523,7 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     t.stepped.of(optimizer)
     if g.options.nonfinite == "skip":
         t.snapshots = {}
-        _skips_in_row(g)[0] = 0
+        g.states[SKIPS_IN_ROW][0] = 0
 
 
 # -- nonfinite='skip' ------------------------------------------------------------------------------
@@ -1547,7 +1547,7 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
     __tracebackhide__ = True
     t = _here.state
     elsewhere, t.poisoned, t.elsewhere = t.elsewhere, False, False
-    in_row = _skips_in_row(g)
+    in_row = g.states[SKIPS_IN_ROW]
     in_row[0] += 1
     limit = g.options.max_consecutive_skips
     if limit is not None and in_row[0] >= limit:
@@ -1578,10 +1578,6 @@ def _skip(g: _guard.Guard, optimizer: Any) -> None:
         _failure.warn_elsewhere(g, optimizer)
 
 
-def _skips_in_row(g: _guard.Guard) -> list:
-    return g.feature_state("nonfinite_skips_in_row", lambda: [0])
-
-
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
@@ -1593,7 +1589,7 @@ def _snapshot_buffers(g: _guard.Guard, module: Any) -> None:
     buffers = list(module.buffers())
     if not buffers:
         return
-    stashes = g.feature_state("nonfinite_stash", lambda: ObjectState(lambda _: []))
+    stashes = g.states[BUFFER_STASHES]
     stash = stashes.get(module)
     torch = _torch
     if stash is None or len(stash) != len(buffers) or any(
