@@ -104,6 +104,27 @@ def test_a_keyboard_interrupt_inside_the_forward_is_recovered(next_call):
     assert our_hooks() == [] and model._forward_hooks == {}
 
 
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_trace_eager_keeps_a_global_forward_hook_on_only_while_its_call_is_open(interrupted):
+    module = torch.nn.modules.module
+    before = len(module._global_forward_hooks)
+    ampguard.install(trace="eager")
+    model = Net(fail=KeyboardInterrupt() if interrupted else None)
+    if interrupted:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 8))
+        assert len(module._global_forward_hooks) == before + 1  # nobody saw the call end
+        model.probe.fail = None
+    model(torch.randn(4, 8)).sum().backward()  # (after an interrupt: its pre-hook sees the stale call, a new one)
+    assert model.probe.seen[-1] is True  # every nested call is seen, to name each op's module
+    assert len(module._global_forward_hooks) == before and model._forward_hooks == {}
+    ampguard.install(trace="replay")
+    model(torch.randn(4, 8)).sum().backward()
+    assert model.probe.seen[-1] is False and len(module._global_forward_hooks) == before
+    ampguard.uninstall()
+    assert len(module._global_forward_hooks) == before and our_hooks() == []
+
+
 def test_a_module_calling_itself_is_one_outermost_call():
     class Recursive(torch.nn.Module):
         def __init__(self):

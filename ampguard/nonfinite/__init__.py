@@ -58,7 +58,6 @@ def _switch_hooks() -> Any:
             h.remove()
         if modules_off is not None:
             modules_off()
-        _eager_names_off()
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
         if ignore is not None:
@@ -67,7 +66,7 @@ def _switch_hooks() -> Any:
                 warnings._filters_mutated()
 
     try:  # an interrupt anywhere here undoes what was done (the registry never saw this switch on)
-        modules_off = outermost.switch_on(_enter, _exit, sinks.nested)
+        modules_off = outermost.switch_on(sinks.enter, sinks.exit, sinks.nested, sinks.nested_end)
         handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
         handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))
         warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
@@ -76,42 +75,6 @@ def _switch_hooks() -> Any:
         off()
         raise
     return off
-
-
-# trace='eager' names the module of every op, so it needs the end of every nested call: a global
-# forward hook, on only while an eager-mode call is open (it puts every module call on the slow path).
-_eager_names: Any = None
-
-
-def _exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
-    if _eager_names is not None:  # (no call at each outermost call where trace='eager' never ran)
-        _eager_names_off()
-    sinks.exit(module, args, kwargs, output, raised)
-
-
-def _enter(module: Any, frame: Any) -> int:
-    global _eager_names
-    mode = sinks.enter(module, frame)
-    if mode == outermost.OUTERMOST_KEEP_HOOKS and _eager_names is None:
-        from torch.nn.modules import module as nn_module
-
-        _eager_names = nn_module.register_module_forward_hook(_eager_pop, always_call=True)
-    return mode
-
-
-def _eager_pop(module: Any, args: Any, output: Any) -> None:
-    if sinks._is_compiling():
-        return  # (see outermost._compiling)
-    stack = sinks.T.eager_stack
-    if stack and stack[-1] is module and len(stack) > 1:
-        stack.pop()
-
-
-def _eager_names_off() -> None:
-    global _eager_names
-    if _eager_names is not None:
-        _eager_names.remove()
-        _eager_names = None
 
 
 def _module_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -17,7 +17,8 @@ Suspension is process-wide (torch's hook dicts are): while one thread is inside 
 call, module calls that another thread starts are not seen as outermost calls. Their losses and
 gradients are still checked; their outputs are not.
 
-``trace="eager"`` needs every nested call for module names and is slow anyway: it does not suspend.
+``trace="eager"`` needs every nested call for module names and is slow anyway: it does not suspend, and while
+such a call is open in some thread a global forward hook sees each nested call end too.
 
 A model compiled in place (``model.compile()``) runs its whole ``_call_impl`` compiled, hooks included, so no
 hook sees its calls. While the feature is on, its ``_compiled_call_impl`` is wrapped (:class:`_CompiledInPlace`):
@@ -59,6 +60,9 @@ class _Hooks:
         # exit(module, args, kwargs, output, raised): raised, when the call ends in an exception (no output)
         self.exit: Callable[..., None] = lambda module, args, kwargs, output, raised=False: None
         self.nested: Callable[[Any], None] = lambda module: None
+        self.nested_end: Callable[[Any], None] = lambda module: None
+        self.keeping = 0  # OUTERMOST_KEEP_HOOKS calls open across threads: the global forward hook is on while any is
+        self.post_handle: Any = None  # torch's handle of that global forward hook
 
 
 H = _Hooks()
@@ -72,25 +76,28 @@ class _Open:
         self.frame: Any = None  # the frame of torch's call of it, to tell a nested call from a stale one
         self.nesting = 0  # calls of that same module inside it
         self.suspended = False  # whether this thread's open call took the global hook off
+        self.keeping = False  # whether it is an OUTERMOST_KEEP_HOOKS call (trace='eager')
         self.generation = -1
         self.entry: tuple | None = None  # (args, kwargs) as the call was made, before the module's own pre-hooks
 
 
-_here = PerThread(_Open)
-here = _here  # (read by the sinks' hooks, which ask at every step whether a call is open, without a call)
+# This thread's open call. Public: the sinks' hooks ask at every step whether one is open (OPEN.state.root), with a
+# read and no call, before they call recover().
+OPEN = PerThread(_Open)
 
 
-def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],
-              nested: Callable[[Any], None]) -> Callable[[], None]:
+def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None], nested: Callable[[Any], None],
+              nested_end: Callable[[Any], None]) -> Callable[[], None]:
     """Register the global pre-hook; ``enter(module, frame)`` says whether a call is outermost,
     ``exit(module, args, kwargs, output, raised)`` ends one (``raised``: it ends in an exception), ``nested(module)``
-    sees calls inside one while the hooks are on (trace='eager')."""
+    and ``nested_end(module)`` see calls inside one start and end while the hooks are on (trace='eager')."""
     from torch.nn.modules import module as nn_module
     from torch.utils.hooks import RemovableHandle
 
     with _lock:
         H.generation += 1
-        H.enter, H.exit, H.nested = enter, exit, nested
+        H.enter, H.exit, H.nested, H.nested_end = enter, exit, nested, nested_end
+        H.keeping = 0
         first = RemovableHandle.next_id
         RemovableHandle.next_id += 2  # two ids of our own for the instance hooks, never reused by torch
         H.ids = (first, first + 1)
@@ -108,6 +115,10 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],
             H.generation += 1
             H.handle = None
             H.suspended = 0
+            H.keeping = 0
+            if H.post_handle is not None:
+                H.post_handle.remove()
+                H.post_handle = None
             for module in list(H.attached.values()):
                 _detach(module)
             H.attached.clear()
@@ -122,7 +133,7 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None],
 
 def forget() -> None:
     """This thread's open call is closed without being seen closing (switch-off, interruption)."""
-    local = _here.state
+    local = OPEN.state
     module = local.root
     if module is not None and local.generation == H.generation:
         _detach(module)
@@ -131,6 +142,9 @@ def forget() -> None:
     if local.suspended:
         local.suspended = False
         _resume(local.generation)
+    elif local.keeping:
+        local.keeping = False
+        _keep_hooks_end(local.generation)
 
 
 def _suspend() -> None:
@@ -147,6 +161,25 @@ def _resume(generation: int) -> None:
         H.suspended = max(H.suspended - 1, 0)
         if H.suspended == 0 and H.dict is not None and H.handle is not None:
             H.dict[H.handle.id] = _global_pre
+
+
+def _keep_hooks_begin() -> None:
+    from torch.nn.modules import module as nn_module
+
+    with _lock:
+        H.keeping += 1
+        if H.post_handle is None:
+            H.post_handle = nn_module.register_module_forward_hook(_global_post, always_call=True)
+
+
+def _keep_hooks_end(generation: int) -> None:
+    with _lock:
+        if generation != H.generation:
+            return  # switched off since: its hook is gone
+        H.keeping = max(H.keeping - 1, 0)
+        if H.keeping == 0 and H.post_handle is not None:
+            H.post_handle.remove()
+            H.post_handle = None
 
 
 def _detach(module: Any) -> None:
@@ -174,7 +207,7 @@ def running(frame: Any) -> bool:
 def recover() -> bool:
     """Close this thread's open call if it was interrupted (a KeyboardInterrupt skipped torch's
     always-call hooks); True if one was. Cheap when none is open."""
-    local = _here.state
+    local = OPEN.state
     if local.root is None or running(local.frame):
         return False
     forget()
@@ -187,7 +220,7 @@ def _global_pre(module: Any, args: Any) -> None:
     if _compiling():
         return
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    local = _here.state
+    local = OPEN.state
     if local.root is not None:
         if running(local.frame):
             H.nested(module)  # hooks are on inside an open call: trace='eager', or another thread resumed them
@@ -223,12 +256,23 @@ def _open(module: Any, frame: Any, mode: int) -> None:
 def _begin(module: Any, frame: Any, mode: int) -> int:
     """This thread's outermost call is now ``module``'s; the global hook is off for it unless trace='eager'.
     Returns the call's generation."""
-    local = _here.state
+    local = OPEN.state
     local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
     if mode == OUTERMOST:
         local.suspended = True
         _suspend()
+    else:
+        local.keeping = True
+        _keep_hooks_begin()
     return local.generation
+
+
+@fail_safe("nonfinite")
+def _global_post(module: Any, args: Any, output: Any) -> None:
+    """The end of each module call while a trace='eager' call is open (torch calls it even when the call raises)."""
+    if _compiling():
+        return
+    H.nested_end(module)
 
 
 @fail_safe("nonfinite")
@@ -236,7 +280,7 @@ def _instance_pre(module: Any, args: Any) -> None:
     if _compiling():
         return
     __tracebackhide__ = True
-    local = _here.state
+    local = OPEN.state
     if module is not local.root:
         return  # another thread calls the same module
     if running(local.frame):
@@ -252,7 +296,7 @@ def _instance_post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     if _compiling():
         return
     __tracebackhide__ = True
-    local = _here.state
+    local = OPEN.state
     if module is not local.root:
         return
     if local.nesting:
@@ -333,7 +377,7 @@ def _enter_compiled(module: Any, frame: Any) -> int | None:
     """The generation of the outermost call opened for ``module``, or None (no call opened: the call is not an
     outermost one, or it is one of trace='eager', which sees nothing inside compiled code anyway)."""
     __tracebackhide__ = True
-    local = _here.state
+    local = OPEN.state
     if local.root is not None:
         if running(local.frame):
             return None  # inside an outermost call: part of it

@@ -838,9 +838,16 @@ def _new_batch(t: _Thread, module: Any, grad: bool) -> bool:
 
 
 def nested(module: Any) -> None:
+    """A module call starts inside a trace='eager' call: the modules open name each op's module."""
     t = _here.state
     if t.eager:
         t.eager_stack.append(module)
+
+
+def nested_end(module: Any) -> None:
+    stack = _here.state.eager_stack
+    if stack and stack[-1] is module and len(stack) > 1:
+        stack.pop()
 
 
 def output_words(call: Call, key: Any) -> str:
@@ -995,7 +1002,7 @@ def known_root(g: _guard.Guard, module: Any) -> None:
 
 def _recover() -> None:
     """An outermost call that a KeyboardInterrupt left open: close it and drop its checks."""
-    if outermost.here.state.root is not None and outermost.recover():  # (no call where none is open)
+    if outermost.OPEN.state.root is not None and outermost.recover():  # (no call where none is open)
         forget_calls()
         drop()
 
