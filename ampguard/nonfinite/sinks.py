@@ -713,14 +713,15 @@ def call_site(module: Any, frame: Any) -> tuple[tuple | None, dict | None]:
 
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
 def enter(module: Any, frame: Any) -> int:
-    """Whether this module call is an outermost user call; if it is, capture what a replay needs."""
+    """Whether this module call is an outermost user call; if it is, capture what a replay needs. (outermost's
+    hooks call it, never while dynamo traces: they return at once there.)"""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
-    if _is_compiling() or t.replaying or _transformed() or _tracing() is not None:
-        # inside a compiled graph, a replay, or a torch.func transform (an ensemble under vmap, per-sample
-        # gradients): its tensors are batched or traced, and a status of them cannot be read outside it. Under
-        # torch.jit.trace, what ampguard does with the call's tensors would change the graph (its value names)
-        if not t.replaying and not _is_compiling() and _transformed():
+    if t.replaying or _transformed() or _tracing() is not None:
+        # inside a replay, or a torch.func transform (an ensemble under vmap, per-sample gradients): its tensors
+        # are batched or traced, and a status of them cannot be read outside it. Under torch.jit.trace, what
+        # ampguard does with the call's tensors would change the graph (its value names)
+        if not t.replaying and _transformed():
             t.transformed = True  # (a failure's message says why no call is known)
         return outermost.NOT_OUTERMOST
     g = _guard.current(FEATURE)
