@@ -117,8 +117,7 @@ def declare_state(key: str, factory: Callable[[], Any]) -> str:
     ``g.states[key]`` makes it at the first read and every read after is one dict subscript, no call: several hooks
     ask at every step, and a method call there cost more than the lookup.
     """
-    if _STATE_FACTORIES.setdefault(key, factory) is not factory:
-        raise ValueError(f"ampguard: the feature state {key!r} is declared twice")
+    _STATE_FACTORIES[key] = factory  # (a module reloaded declares its keys again: the latest factory makes them)
     return key
 
 
