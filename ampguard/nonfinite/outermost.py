@@ -163,10 +163,12 @@ def _resume(generation: int) -> None:
             H.dict[H.handle.id] = _global_pre
 
 
-def _keep_hooks_begin() -> None:
+def _keep_hooks_begin(generation: int) -> None:
     from torch.nn.modules import module as nn_module
 
     with _lock:
+        if generation != H.generation:
+            return  # switched off since the call began (another thread): no hook that nothing would take off
         H.keeping += 1
         if H.post_handle is None:
             H.post_handle = nn_module.register_module_forward_hook(_global_post, always_call=True)
@@ -263,7 +265,7 @@ def _begin(module: Any, frame: Any, mode: int) -> int:
         _suspend()
     else:
         local.keeping = True
-        _keep_hooks_begin()
+        _keep_hooks_begin(local.generation)
     return local.generation
 
 
