@@ -53,8 +53,9 @@ FAULTS = [
     ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
     ("ampguard.nonfinite.sinks.add_loss", {"nonfinite"}),  # the loss sink (a scalar: no _norms pass here)
-    ("ampguard.nonfinite.sinks.enter", {"nonfinite"}),  # the outermost call's start and end
-    ("ampguard.nonfinite.sinks.exit", {"nonfinite"}),
+    # the outermost call's start and end: the sinks' enter() and exit(), as outermost's hooks hold them
+    ("ampguard.nonfinite.outermost.H.enter", {"nonfinite"}),
+    ("ampguard.nonfinite.outermost.H.exit", {"nonfinite"}),
     ("ampguard.nonfinite.sinks._consume", {"nonfinite"}),
     ("ampguard.lints._check_clip", {"lint"}),
     ("ampguard.lints.eps_message", {"lint"}),  # the first optimizer step's lint
