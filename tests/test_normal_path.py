@@ -115,9 +115,12 @@ def test_trace_eager_keeps_a_global_forward_hook_on_only_while_its_call_is_open(
             model(torch.randn(4, 8))
         assert len(module._global_forward_hooks) == before + 1  # nobody saw the call end
         model.probe.fail = None
+    during = []
+    model.probe.forward = lambda x: during.append(len(module._global_forward_hooks)) or x
     model(torch.randn(4, 8)).sum().backward()  # (after an interrupt: its pre-hook sees the stale call, a new one)
-    assert model.probe.seen[-1] is True  # every nested call is seen, to name each op's module
+    assert during == [before + 1]  # every nested call's end is seen, to name each op's module
     assert len(module._global_forward_hooks) == before and model._forward_hooks == {}
+    del model.probe.forward
     ampguard.install(trace="replay")
     model(torch.randn(4, 8)).sum().backward()
     assert model.probe.seen[-1] is False and len(module._global_forward_hooks) == before
