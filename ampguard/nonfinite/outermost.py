@@ -52,7 +52,6 @@ class _Hooks:
         self.generation = 0  # changes at every switch on and off: hooks of an older one do nothing
         self.handle: Any = None  # torch's handle of the global pre-hook
         self.dict: dict | None = None  # torch's _global_forward_pre_hooks
-        self.suspended = 0  # outermost calls open across threads that took the global hook off
         self.ids: tuple[int, int] = (-1, -1)  # hook ids for the instance pre-hook and forward hook
         self.attached: dict[int, Any] = {}  # id(module) -> module with instance hooks now
         # enter(module, frame): NOT_OUTERMOST, or OUTERMOST (suspend), or OUTERMOST_KEEP_HOOKS (trace='eager')
@@ -61,8 +60,7 @@ class _Hooks:
         self.exit: Callable[..., None] = lambda module, args, kwargs, output, raised=False: None
         self.nested: Callable[[Any], None] = lambda module: None
         self.nested_end: Callable[[Any], None] = lambda module: None
-        self.keeping = 0  # OUTERMOST_KEEP_HOOKS calls open across threads: the global forward hook is on while any is
-        self.post_handle: Any = None  # torch's handle of that global forward hook
+        self.post_handle: Any = None  # torch's handle of trace='eager''s global forward hook (see EAGER)
 
 
 H = _Hooks()
@@ -75,8 +73,7 @@ class _Open:
         self.root: Any = None  # the open outermost call's module in this thread
         self.frame: Any = None  # the frame of torch's call of it, to tell a nested call from a stale one
         self.nesting = 0  # calls of that same module inside it
-        self.suspended = False  # whether this thread's open call took the global hook off
-        self.keeping = False  # whether it is an OUTERMOST_KEEP_HOOKS call (trace='eager')
+        self.change: _WhileOpen | None = None  # what its start changed in torch's hooks (SUSPENDED or EAGER)
         self.generation = -1
         self.entry: tuple | None = None  # (args, kwargs) as the call was made, before the module's own pre-hooks
 
@@ -97,12 +94,10 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None], neste
     with _lock:
         H.generation += 1
         H.enter, H.exit, H.nested, H.nested_end = enter, exit, nested, nested_end
-        H.keeping = 0
         first = RemovableHandle.next_id
         RemovableHandle.next_id += 2  # two ids of our own for the instance hooks, never reused by torch
         H.ids = (first, first + 1)
         H.dict = nn_module._global_forward_pre_hooks
-        H.suspended = 0
         H.handle = handle = nn_module.register_module_forward_pre_hook(_global_pre)
     for module in list(_compiled_in_place):
         see_compiled_in_place(module)
@@ -114,11 +109,8 @@ def switch_on(enter: Callable[[Any, Any], int], exit: Callable[..., None], neste
                 return
             H.generation += 1
             H.handle = None
-            H.suspended = 0
-            H.keeping = 0
-            if H.post_handle is not None:
-                H.post_handle.remove()
-                H.post_handle = None
+            SUSPENDED.reset()
+            EAGER.reset()  # (its hook goes)
             for module in list(H.attached.values()):
                 _detach(module)
             H.attached.clear()
@@ -139,49 +131,72 @@ def forget() -> None:
         _detach(module)
     local.root = local.frame = local.entry = None
     local.nesting = 0
-    if local.suspended:
-        local.suspended = False
-        _resume(local.generation)
-    elif local.keeping:
-        local.keeping = False
-        _keep_hooks_end(local.generation)
+    change = local.change
+    if change is not None:
+        local.change = None
+        change.end(local.generation)
 
 
-def _suspend() -> None:
-    with _lock:
-        H.suspended += 1
-        if H.suspended == 1 and H.dict is not None and H.handle is not None:
-            H.dict.pop(H.handle.id, None)
+class _WhileOpen:
+    """A change to torch's process-wide hook dicts that lasts while an outermost call of one kind is open in any
+    thread: made as the first opens, undone as the last closes. Counted under the lock, per registration: a call
+    that began before a switch-off counts for nothing after it (that registration is gone)."""
+
+    __slots__ = ("count", "make", "undo")
+
+    def __init__(self, make: Callable[[], None], undo: Callable[[], None]) -> None:
+        self.count = 0
+        self.make, self.undo = make, undo
+
+    def begin(self, generation: int) -> None:
+        with _lock:
+            if generation != H.generation:
+                return
+            self.count += 1
+            if self.count == 1:
+                self.make()
+
+    def end(self, generation: int) -> None:
+        with _lock:
+            if generation != H.generation:
+                return
+            self.count = max(self.count - 1, 0)
+            if self.count == 0:
+                self.undo()
+
+    def reset(self) -> None:
+        """At switch-off, under the lock: no call counts any more."""
+        if self.count:
+            self.count = 0
+            self.undo()
 
 
-def _resume(generation: int) -> None:
-    with _lock:
-        if generation != H.generation:
-            return  # switched off (and maybe on again) since: that registration is gone
-        H.suspended = max(H.suspended - 1, 0)
-        if H.suspended == 0 and H.dict is not None and H.handle is not None:
-            H.dict[H.handle.id] = _global_pre
+def _pre_hook_off() -> None:
+    if H.dict is not None and H.handle is not None:
+        H.dict.pop(H.handle.id, None)
 
 
-def _keep_hooks_begin(generation: int) -> None:
+def _pre_hook_back() -> None:
+    if H.dict is not None and H.handle is not None:  # (not after a switch-off: that registration is gone)
+        H.dict[H.handle.id] = _global_pre
+
+
+def _post_hook_on() -> None:
     from torch.nn.modules import module as nn_module
 
-    with _lock:
-        if generation != H.generation:
-            return  # switched off since the call began (another thread): no hook that nothing would take off
-        H.keeping += 1
-        if H.post_handle is None:
-            H.post_handle = nn_module.register_module_forward_hook(_global_post, always_call=True)
+    H.post_handle = nn_module.register_module_forward_hook(_global_post, always_call=True)
 
 
-def _keep_hooks_end(generation: int) -> None:
-    with _lock:
-        if generation != H.generation:
-            return  # switched off since: its hook is gone
-        H.keeping = max(H.keeping - 1, 0)
-        if H.keeping == 0 and H.post_handle is not None:
-            H.post_handle.remove()
-            H.post_handle = None
+def _post_hook_off() -> None:
+    if H.post_handle is not None:
+        H.post_handle.remove()
+        H.post_handle = None
+
+
+# OUTERMOST calls take the global pre-hook off, so that their nested calls stay on torch's fast path.
+SUSPENDED = _WhileOpen(_pre_hook_off, _pre_hook_back)
+# OUTERMOST_KEEP_HOOKS calls (trace='eager') keep it, and add a global forward hook: each nested call's end.
+EAGER = _WhileOpen(_post_hook_on, _post_hook_off)
 
 
 def _detach(module: Any) -> None:
@@ -260,12 +275,8 @@ def _begin(module: Any, frame: Any, mode: int) -> int:
     Returns the call's generation."""
     local = OPEN.state
     local.root, local.frame, local.nesting, local.generation = module, frame, 0, H.generation
-    if mode == OUTERMOST:
-        local.suspended = True
-        _suspend()
-    else:
-        local.keeping = True
-        _keep_hooks_begin(local.generation)
+    local.change = change = SUSPENDED if mode == OUTERMOST else EAGER
+    change.begin(local.generation)
     return local.generation
 
 
