@@ -686,6 +686,51 @@ def test_a_parameter_set_by_hand_after_a_step_is_not_blamed_on_the_step_alone():
     assert "made it:" not in message
 
 
+MODES_AT_BACKWARD: list = []
+
+
+class StackAtBackward(torch.autograd.Function):
+    """Identity whose backward records how many torch function modes are on while autograd runs it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        MODES_AT_BACKWARD.append(torch._C._len_torch_function_stack())
+        return grad
+
+
+@pytest.mark.parametrize("call", ["loss.backward()", "Tensor.backward(loss)", "torch.autograd.backward(loss)"])
+def test_loss_backward_takes_the_loss_code_record_off_before_torch_dispatches_the_call(call):
+    """loss.backward() ends the loss code's record before torch looks for a function mode: torch no longer hands the
+    call to the recorder, nor, after it, the torch calls until the next hook (the optimizer step's profiler op).
+    The record still holds the loss code, and a NaN made there is still named at its line."""
+    original = vars(torch.Tensor)["backward"]
+    ampguard.install()
+    assert vars(torch.Tensor)["backward"].__wrapped__ is original  # wrapped on the class itself, once
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(3, 4)
+    MODES_AT_BACKWARD.clear()
+    loss = StackAtBackward.apply(model(x)).pow(2).mean()
+    assert torch._C._len_torch_function_stack() == 1  # the record is on for the loss code
+    eval(call, {"loss": loss, "Tensor": torch.Tensor, "torch": torch})
+    assert torch._C._len_torch_function_stack() == 0  # off, not put back after the call
+    assert MODES_AT_BACKWARD == [0]
+    assert model.weight.grad is not None
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    nan = torch.log(model(x) - 10)  # NaN: the loss code's origin, recorded before backward() ends the record
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        nan.mean().backward()
+        nonfinite.check()
+    assert info.value.op == "torch.log"
+    assert "nan = torch.log(model(x) - 10)" in str(info.value)
+    ampguard.uninstall()
+    assert vars(torch.Tensor)["backward"] is original
+
+
 def test_a_teacher_under_no_grad_after_the_student_keeps_the_loss_code_recorded():
     ampguard.install()
     torch.manual_seed(0)

@@ -104,11 +104,32 @@ def _switch_module_compile() -> Any:
     return off
 
 
+def _switch_tensor_backward() -> Any:
+    """``Tensor.backward`` wrapped on the class itself, as ``Module.compile`` is and for the same reason: a registry
+    target on ``Tensor`` would walk every tensor subclass at each install and hook every class statement that
+    defines one. A subclass that overrides ``backward()`` keeps the record on through its dispatch, as before, and
+    ``torch.autograd.backward``'s wrapper ends it there."""
+    import wrapt
+    from torch import Tensor
+
+    original = vars(Tensor)["backward"]
+    replacement = wrapt.FunctionWrapper(original, sinks.tensor_backward)
+    Tensor.backward = replacement
+
+    def off() -> None:
+        if vars(Tensor).get("backward") is replacement:
+            Tensor.backward = original
+
+    return off
+
+
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
                            "module and optimizer hooks: record outermost calls, check the sinks at the step"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
                            "a model compiled in place runs its hooks compiled: its call is made an outermost call "
                            "around the compiled code"))
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_tensor_backward,
+                           "Tensor.backward: end the loss code's record before torch dispatches the call to it"))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.autograd", "grad", sinks._autograd_grad,

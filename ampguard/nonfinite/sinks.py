@@ -1200,6 +1200,23 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         raise
 
 
+def tensor_backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Tensor.backward()``: the loss code ends here, before torch dispatches the call. With the recorder still on
+    its mode stack, torch hands the call to it (``handle_torch_function``), puts it back after the call, and hands
+    it every torch call made until the next hook takes it off (the optimizer step's profiler op): some 40 us a
+    step of a small loop that calls ``loss.backward()``. (``GradScaler.scale()`` and Lightning's closure end the
+    record before their ``backward()``.) ``torch.autograd.backward``'s wrapper still does the rest."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
+    t = _here.state
+    if t.tape is not None and not t.replaying:
+        try:
+            if _guard.current(FEATURE) is not None:
+                end_tape(t)
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
+    return wrapped(*args, **kwargs)
+
+
 def _add_losses(g: _guard.Guard, roots: Any, plain: bool) -> None:
     """Each floating tensor of ``roots`` (what backward() or torch.autograd.grad differentiates) that no GradScaler
     scaled is a loss sink. ``plain``: a torch.Tensor or Parameter only, not a subclass."""
