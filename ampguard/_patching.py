@@ -337,6 +337,22 @@ class Registry:
             _report_failure(f"patching subclass {cls.__qualname__}", exc)
 
 
+def wrap_on_class(cls: type, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Wrap ``cls``'s own ``name`` with wrapt, for a Switch; return its ``off``, which puts the exact original back
+    unless something replaced the wrapper since. For a base class with a vast hierarchy (``nn.Module``, ``Tensor``),
+    where a registry Target would walk every subclass at each install and hook every class statement: a subclass's
+    own override is not wrapped."""
+    original = vars(cls)[name]
+    replacement = wrapt.FunctionWrapper(original, wrapper)
+    setattr(cls, name, replacement)
+
+    def off() -> None:
+        if vars(cls).get(name) is replacement:
+            setattr(cls, name, original)
+
+    return off
+
+
 def clip_arguments(args: tuple, kwargs: dict) -> tuple[list, dict, list]:
     """For wrappers of ``clip_grad_norm_``/``clip_grad_value_``: (args, kwargs, the parameters as a list),
     with that list in the arguments' place. A generator can be read once, and both the wrapper and the

@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 from .._fallback import internal_failure
-from .._patching import REGISTRY, Switch, Target
+from .._patching import REGISTRY, Switch, Target, wrap_on_class
 from . import failure, outermost, report, sinks
 from .sinks import FEATURE, T, check
 
@@ -87,40 +87,20 @@ def _module_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 def _switch_module_compile() -> Any:
-    """``nn.Module.compile`` wrapped on the class itself, not through the registry: a registry target on
-    ``nn.Module`` would walk every module class at each install and hook every class statement that defines one.
-    A subclass that overrides ``compile()`` (none of torch's or Lightning's does) is not seen."""
-    import wrapt
+    """``nn.Module.compile`` wrapped on the class itself (see ``wrap_on_class``). A subclass that overrides
+    ``compile()`` (none of torch's or Lightning's does) is not seen."""
     from torch.nn.modules.module import Module
 
-    original = vars(Module)["compile"]
-    replacement = wrapt.FunctionWrapper(original, _module_compile)
-    Module.compile = replacement
-
-    def off() -> None:
-        if vars(Module).get("compile") is replacement:
-            Module.compile = original
-
-    return off
+    return wrap_on_class(Module, "compile", _module_compile)
 
 
 def _switch_tensor_backward() -> Any:
-    """``Tensor.backward`` wrapped on the class itself, as ``Module.compile`` is and for the same reason: a registry
-    target on ``Tensor`` would walk every tensor subclass at each install and hook every class statement that
-    defines one. A subclass that overrides ``backward()`` keeps the record on through its dispatch, as before, and
-    ``torch.autograd.backward``'s wrapper ends it there."""
-    import wrapt
+    """``Tensor.backward`` wrapped on the class itself (see ``wrap_on_class``). A subclass that overrides
+    ``backward()`` keeps the record on through its dispatch, as before, and ``torch.autograd.backward``'s wrapper
+    ends it there."""
     from torch import Tensor
 
-    original = vars(Tensor)["backward"]
-    replacement = wrapt.FunctionWrapper(original, sinks.tensor_backward)
-    Tensor.backward = replacement
-
-    def off() -> None:
-        if vars(Tensor).get("backward") is replacement:
-            Tensor.backward = original
-
-    return off
+    return wrap_on_class(Tensor, "backward", sinks.tensor_backward)
 
 
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,

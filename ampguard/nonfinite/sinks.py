@@ -1203,8 +1203,8 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def tensor_backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Tensor.backward()``: the loss code ends here, before torch dispatches the call. With the recorder still on
     its mode stack, torch hands the call to it (``handle_torch_function``), puts it back after the call, and hands
-    it every torch call made until the next hook takes it off (the optimizer step's profiler op): some 40 us a
-    step of a small loop that calls ``loss.backward()``. (``GradScaler.scale()`` and Lightning's closure end the
+    it every torch call made until the next hook takes it off (the optimizer step's profiler op): some 30-40 us
+    a step of a small loop that calls ``loss.backward()``. (``GradScaler.scale()`` and Lightning's closure end the
     record before their ``backward()``.) ``torch.autograd.backward``'s wrapper still does the rest."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
