@@ -1,10 +1,12 @@
 """torch.compile under ampguard: no graph breaks of ampguard's making, and every feature keeps working."""
 
 import contextlib
+import gc
 import inspect
 import logging
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -378,6 +380,29 @@ def test_a_nan_in_a_model_compiled_in_place_is_replayed_and_uninstall_gives_torc
     assert torch.equal(model.a.weight, before)
     ampguard.uninstall()
     assert g is not None and vars(model)["_compiled_call_impl"] is compiled.compiled
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+def test_a_call_of_a_model_compiled_in_place_keeps_no_input_alive_once_the_user_drops_it(grad):
+    """ampguard holds the call's frame while it runs. Held by a local of that frame too, it was a cycle once the call
+    returned: it kept its callers' frames, and the input in them, alive until the garbage collector ran."""
+    with ampguard.guard():
+        model = OwnMLP()
+        model.compile(backend="eager")
+        model(torch.randn(3, 8))  # compiled here, before the collector is off
+        gc.collect()
+        gc.disable()
+        try:
+            x = torch.randn(3, 8)
+            gone = weakref.ref(x)
+            with torch.set_grad_enabled(grad):
+                out = model(x)
+            if grad:
+                out.pow(2).mean().backward()  # (the autograd graph held it until here)
+            del x, out
+            assert gone() is None
+        finally:
+            gc.enable()
 
 
 def test_a_teacher_compiled_in_place_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded():

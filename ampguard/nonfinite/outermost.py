@@ -367,26 +367,38 @@ class _CompiledInPlace:
         module = self.module()
         if module is None or _compiling():
             return compiled(*args, **kwargs)
-        frame = sys._getframe(0)
-        generation = _enter_compiled(module, frame)
-        if generation is None:
-            return compiled(*args, **kwargs)
-        output, raised = None, None  # (None after a KeyboardInterrupt, which torch's always-call hooks skip too)
-        try:
-            output = compiled(*args, **kwargs)
-            raised = False
-        except Exception:
-            raised = True  # it made nothing (as torch's always-call hooks see it)
-            raise
-        finally:
-            forget()  # (and the global hook is back)
-            if raised is not None and generation == H.generation:
-                _exit_compiled(module, args, kwargs, output, raised)
-        return output
+        return run_as_outermost(module, compiled, args, kwargs, H.enter, H.exit)
+
+
+def run_as_outermost(module: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                     enter: Callable[[Any, Any], int], exit: Callable[..., None]) -> Any:
+    """``fn(*args, **kwargs)`` as an outermost call of ``module``, entered and ended here in eager Python, not by
+    torch's hooks (a model compiled in place runs its hooks inside compiled code). The global hook is off while it
+    runs, as for a hooked outermost call. Where no outermost call opens (one is open already, the feature is off),
+    ``fn`` runs as it is."""
+    __tracebackhide__ = True
+    # (this frame, held by the open call until forget(), never by a local: a frame whose local holds the frame itself
+    # is a cycle that outlives the call until the garbage collector runs, and keeps its callers' frames and their
+    # locals alive with it: the input of the call)
+    generation = _enter_here(module, sys._getframe(0), enter)
+    if generation is None:
+        return fn(*args, **kwargs)
+    output, raised = None, None  # (None after a KeyboardInterrupt, which torch's always-call hooks skip too)
+    try:
+        output = fn(*args, **kwargs)
+        raised = False
+    except Exception:
+        raised = True  # it made nothing (as torch's always-call hooks see it)
+        raise
+    finally:
+        forget()  # (and the global hook is back)
+        if raised is not None and generation == H.generation:
+            _exit_here(exit, module, args, kwargs, output, raised)
+    return output
 
 
 @fail_safe("nonfinite")
-def _enter_compiled(module: Any, frame: Any) -> int | None:
+def _enter_here(module: Any, frame: Any, enter: Callable[[Any, Any], int]) -> int | None:
     """The generation of the outermost call opened for ``module``, or None (no call opened: the call is not an
     outermost one, or it is one of trace='eager', which sees nothing inside compiled code anyway)."""
     __tracebackhide__ = True
@@ -397,11 +409,11 @@ def _enter_compiled(module: Any, frame: Any) -> int | None:
         forget()
     if H.handle is None:
         return None
-    mode = H.enter(module, frame)
+    mode = enter(module, frame)
     return None if mode == NOT_OUTERMOST else _begin(module, frame, mode)
 
 
 @fail_safe("nonfinite")
-def _exit_compiled(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
+def _exit_here(exit: Callable[..., None], module: Any, args: tuple, kwargs: dict, output: Any, raised: bool) -> None:
     __tracebackhide__ = True
-    H.exit(module, args, kwargs, output, raised)
+    exit(module, args, kwargs, output, raised)
