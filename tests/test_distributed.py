@@ -6,6 +6,7 @@ import socket
 import textwrap
 
 import pytest
+import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -164,7 +165,7 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 warnings.filterwarnings("ignore")
-ampguard.install()
+ampguard.install(repro_dir="bundles")
 model = Model()
 trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, strategy=sys.argv[1], logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -173,7 +174,7 @@ try:
     result = {"error": None}
 except ampguard.NonFiniteError as err:
     result = {"op": err.op, "line": err.origin[-1].line if err.origin else None, "logged": model.logged,
-              "replayed": "Found by replaying" in str(err)}
+              "replayed": "Found by replaying" in str(err), "repro": err.repro}
 if dist.is_initialized():
     dist.destroy_process_group()
 print(json.dumps(result))
@@ -195,6 +196,9 @@ def test_a_nan_in_training_step_under_a_lightning_ddp_strategy_is_replayed_throu
     # training_step ran for two batches, and once more in the replay of the second (torch.log is only there), whose
     # count the replay put back: it leaves the module's attributes as the user's training_step left them
     assert result["logged"] == 2
+    # the op of training_step's own code is bundled as that op and its inputs, as the loss code of a plain loop is
+    meta = torch.load(result["repro"], weights_only=True)
+    assert meta["kind"] == "op" and meta["op"] == "torch.log"
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])

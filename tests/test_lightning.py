@@ -518,30 +518,43 @@ def test_ampguard_env_with_a_lightning_script_that_never_imports_ampguard(python
     assert plain.returncode != 0 and "closure hasn't been executed" in plain.stderr
 
 
-def test_the_loss_code_record_ends_where_training_step_returns(L):
+def test_training_step_is_one_outermost_call_with_its_module_calls_on_torchs_fast_path_and_nothing_recorded(L):
+    """Under automatic optimization training_step is the outermost call, as under a strategy: captured once, its
+    module calls find no global hook (torch's fast path), its loss code is not recorded (a replay runs training_step
+    again), and nothing of Lightning's after it is either (its division of the loss by 1 is the loss itself)."""
+    from torch.nn.modules import module as nn_module
+
     from ampguard import nonfinite
 
-    seen = []
+    hooks_inside, seen = [], []
+
+    class Model(module_class(L)):
+        def training_step(self, batch, batch_idx):
+            hooks_inside.append(len(nn_module._global_forward_pre_hooks))
+            return super().training_step(batch, batch_idx)
 
     class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            hooks_inside.append(len(nn_module._global_forward_pre_hooks))
+
         def on_before_backward(self, trainer, pl_module, loss):
-            seen.append((nonfinite.T.tape is None, [getattr(e, "func", None) for e in nonfinite.T.window]))
+            seen.append((nonfinite.T.tape, [(type(e).__name__, getattr(e, "module", None) is pl_module,
+                                             getattr(e, "method", None)) for e in nonfinite.T.window]))
 
     ampguard.install()
-    fit(L, module_class(L)(), callbacks=[Probe()])
-    assert len(seen) == BATCHES and all(ended for ended, _ in seen)
-    # the layer, then pow and mean: nothing of Lightning's (its division of the loss by 1 is the loss itself)
-    assert seen[0][1] == [None, torch.Tensor.pow, torch.Tensor.mean]
+    fit(L, Model(), callbacks=[Probe()])
+    assert hooks_inside == [1, 0] * BATCHES  # ampguard's global pre-hook, taken off while training_step runs
+    assert seen == [(None, [("Call", True, "training_step")])] * BATCHES
 
 
-def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_resumes_after_it(L):
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_a_nan_after_it_is_named(L, automatic):
+    """Under manual optimization the loss code in training_step is recorded, and self.log()'s torch calls are not
+    (the record resumes after it); under automatic optimization nothing is recorded, and the replay of training_step
+    logs nothing. Either way a NaN made after the logging is named with its op and line."""
     from ampguard import nonfinite
 
     seen = []
-
-    class Probe(L.Callback):
-        def on_before_backward(self, trainer, pl_module, loss):
-            seen.append([getattr(e, "func", None) for e in nonfinite.T.window])
 
     class Logged(L.LightningModule):
         def __init__(self, poison=False):
@@ -549,6 +562,7 @@ def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_r
             torch.manual_seed(0)
             self.layer = torch.nn.Linear(4, 1)
             self.poison = poison
+            self.automatic_optimization = automatic
 
         def training_step(self, batch, batch_idx):
             loss = self.layer(batch[0]).pow(2).mean()
@@ -556,16 +570,27 @@ def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_the_record_r
             self.log_dict({"lr": 0.1, "twice": loss * 2})
             if self.poison:
                 loss = loss + torch.log(loss - loss - 1)  # NaN in the loss code after the logging  # AFTER LOG
+            if not automatic:
+                seen.append([getattr(e, "func", None) for e in nonfinite.T.window])
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
             return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    class Probe(L.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if automatic:
+                seen.append([getattr(e, "func", None) for e in nonfinite.T.window])
+
     ampguard.install()
-    fit(L, Logged(), callbacks=[Probe()])
-    assert len(seen) == BATCHES
-    # the layer's call, its pow and mean, and the user's `loss * 2`: nothing of Lightning's logging
-    assert seen[0] == [None, torch.Tensor.pow, torch.Tensor.mean, torch.Tensor.mul]
+    trainer, _ = fit(L, Logged(), callbacks=[Probe()])
+    assert len(seen) == BATCHES and trainer.callback_metrics["train_loss"] > 0
+    # manual: the layer's call, its pow and mean, and the user's `loss * 2`: nothing of Lightning's logging
+    assert seen[0] == ([None] if automatic else [None, torch.Tensor.pow, torch.Tensor.mean, torch.Tensor.mul])
     with pytest.raises(ampguard.NonFiniteError) as info:
         fit(L, Logged(poison=True))
     assert info.value.op == "torch.log"

@@ -166,6 +166,45 @@ def test_a_loss_code_op_is_bundled_as_the_op_and_loads_weights_only(python, tmp_
     assert "created by torch.log" in out.stdout
 
 
+@pytest.mark.parametrize("where", ["loss code", "submodule"])
+def test_a_nan_in_lightnings_training_step_is_bundled_as_its_op_or_its_submodule(python, code, monkeypatch, where):
+    """Under automatic optimization training_step is the outermost call. A NaN in its own code (its loss code) is
+    bundled as that op and its inputs, as the loss code of a plain loop is; one in a submodule, as that module."""
+    L = pytest.importorskip("lightning.pytorch")
+    monkeypatch.syspath_prepend(str(code))
+    from nanmodels import MLP
+
+    class Poisoned(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = MLP(4, bad=where == "submodule")
+
+        def training_step(self, batch, batch_idx):
+            out = self.body(batch[0])
+            if where == "loss code":
+                out = torch.log(out - out - 1)  # LIGHTNING LOSS CODE
+            return out.pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=8)
+    with ampguard.guard(repro_dir=str(code / "b")), pytest.raises(ampguard.NonFiniteError) as info:
+        trainer.fit(Poisoned(), data)
+    assert info.value.repro is not None, str(info.value)
+    out = repro(python, info.value.repro, code)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "created by torch.log (inputs finite, output NaN)" in out.stdout
+    if where == "loss code":
+        assert "the loss-code op, outside any module" in out.stdout and "loaded with weights_only=True" in out.stdout
+    else:
+        assert "bundled: module 'body' (nanmodels.MLP) of " in out.stdout and "Poisoned, forward pass" in out.stdout
+        assert f"nanmodels.py:{line('FORWARD ORIGIN')} in forward" in out.stdout
+
+
 def test_a_value_that_does_not_reproduce_exits_0_and_says_so(python, code, monkeypatch):
     error = nan_step(code, monkeypatch, 1)
     # rewrite the bundle as a transient fault would leave it: the same call, now finite

@@ -127,8 +127,8 @@ def forget() -> None:
     """This thread's open call is closed without being seen closing (switch-off, interruption)."""
     local = OPEN.state
     module = local.root
-    if module is not None and local.generation == H.generation:
-        _detach(module)
+    if module is not None and local.generation == H.generation and id(module) in H.attached:
+        _detach(module)  # (a call that run_as_outermost() opened has no instance hooks)
     local.root = local.frame = local.entry = None
     local.nesting = 0
     change = local.change
@@ -373,9 +373,9 @@ class _CompiledInPlace:
 def run_as_outermost(module: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
                      enter: Callable[[Any, Any], int], exit: Callable[..., None]) -> Any:
     """``fn(*args, **kwargs)`` as an outermost call of ``module``, entered and ended here in eager Python, not by
-    torch's hooks (a model compiled in place runs its hooks inside compiled code). The global hook is off while it
-    runs, as for a hooked outermost call. Where no outermost call opens (one is open already, the feature is off),
-    ``fn`` runs as it is."""
+    torch's hooks: a model compiled in place, whose hooks run inside compiled code, and Lightning's training_step,
+    which is no module call. The global hook is off while it runs, as for a hooked outermost call. Where no
+    outermost call opens (one is open already, the feature is off), ``fn`` runs as it is."""
     __tracebackhide__ = True
     # (this frame, held by the open call until forget(), never by a local: a frame whose local holds the frame itself
     # is a cycle that outlives the call until the garbage collector runs, and keeps its callers' frames and their

@@ -77,8 +77,9 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
     event = window[origin.event]
     captured = _capture(origin)
     target = captured.pop("target")
-    if type(event) is TapeOp:
-        kind, payload = "op", {"func": report.op_name(event.func), "args": captured.pop("args"),
+    if type(event) is TapeOp or target is None:  # an op of the loss code, or of a method's own code
+        func = captured.pop("func", None) or event.func
+        kind, payload = "op", {"func": report.op_name(func), "args": captured.pop("args"),
                                "kwargs": captured.pop("kwargs")}
         names = {"module_class": None, "module_path": None, "root_class": None}
     else:
@@ -131,7 +132,7 @@ def _capture(origin: Origin) -> dict:
     event = window[origin.event]
     session = replay.Session()
     if type(event) is TapeOp:
-        target = None
+        target = root = None
     else:
         if event.swapped is not None:
             raise NotBundled("the call ran under torch.func.functional_call, with parameters the module does not "
@@ -139,6 +140,8 @@ def _capture(origin: Origin) -> dict:
         root = getattr(event.module, "_orig_mod", event.module)
         target = getattr(origin.module, "_orig_mod", origin.module) if origin.module is not None else root
     with replay.untouched(window):
+        if root is not None and target is root and event.method is not None:  # an op in training_step's own code
+            return _capture_method_op(session, window, origin)
         if target is None or target is root:  # the loss code, or the root (the replay calls its forward itself)
             replay.run_window(session, window[:origin.event], names=origin.names)
             try:
@@ -146,9 +149,6 @@ def _capture(origin: Origin) -> dict:
                     args = replay._map(session, event.args, True, "an input of the loss code")
                     kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
                     return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
-                if event.method is not None:
-                    raise NotBundled(f"the call is {type(root).__name__}.{event.method}, which a Lightning strategy "
-                                     "ran through its wrapper: a bundle holds a module's forward")
                 args, kwargs = replay._map_call(session, event, type(root).__name__)
             except replay.Freed as freed:
                 raise NotBundled(str(freed)) from None
@@ -173,6 +173,50 @@ def _capture(origin: Origin) -> dict:
         why = session.unreplayed.get(origin.event, "the capture replay did not reach the call that holds the origin")
         raise NotBundled(why)
     return {**taken, "target": target}
+
+
+def _capture_method_op(session: replay.Session, window: list, origin: Origin) -> dict:
+    """An origin in the code of the method a call ran (Lightning's training_step), outside its submodules: the loss
+    code of that step. Bundled as the loss code's ops are, the op and its inputs: the top-level torch call during
+    which the replay makes the origin's record, with its inputs as it began (a copy taken then only where the op
+    writes into one)."""
+    torch = sinks._torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    taken: dict = {}
+
+    class Entry(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            state = (sinks._autocast_state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            before = (args, kwargs)
+            if _writes_into_input(func):
+                with _disable_current_modes():  # (the copy is no op of the replay's: not recorded)
+                    before = (_detached(args), _detached(kwargs))
+            try:
+                return func(*args, **kwargs)
+            except replay.Reached:
+                if not taken:
+                    with _disable_current_modes():
+                        taken.update(_snapshot(None, *before, *state), func=func)
+                raise
+
+    session.stop_after = origin.record  # the same replay as the one that found it, stopped there
+    try:
+        with Entry():
+            replay.run_window(session, window[:origin.event + 1], names=origin.names)
+    except replay.Reached:
+        pass
+    if not taken:
+        why = session.unreplayed.get(origin.event, "the capture replay did not reach the op that made the origin")
+        raise NotBundled(why)
+    return {**taken, "target": None}
+
+
+def _writes_into_input(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) or \
+        (name.startswith("__i") and name.endswith("__"))
 
 
 def _snapshot(module: Any, args: Any, kwargs: Any, autocast: Any, grad: bool, inference: bool,
@@ -256,9 +300,7 @@ def _op_module(func: Any, kwargs: dict) -> Any:
     leaf that requires grad, which takes no in-place write."""
     import torch
 
-    name = getattr(func, "__name__", "")
-    in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) or \
-        (name.startswith("__i") and name.endswith("__"))
+    in_place = _writes_into_input(func)
 
     class OpCall(torch.nn.Module):
         def forward(self, *args: Any) -> Any:

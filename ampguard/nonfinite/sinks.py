@@ -712,9 +712,10 @@ def call_site(module: Any, frame: Any) -> tuple[tuple | None, dict | None]:
 
 
 # -- outermost calls (found by ampguard.nonfinite.outermost) ---------------------------------
-def enter(module: Any, frame: Any) -> int:
+def enter(module: Any, frame: Any, method: str | None = None) -> int:
     """Whether this module call is an outermost user call; if it is, capture what a replay needs. (outermost's
-    hooks call it, never while dynamo traces: they return at once there.)"""
+    hooks call it, never while dynamo traces: they return at once there.) ``method``: the call runs that method of
+    the module, not its forward (Lightning's training_step)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     t = _here.state
     if t.replaying or _transformed() or _tracing() is not None:
@@ -760,9 +761,11 @@ def enter(module: Any, frame: Any) -> int:
             finally:
                 t.late = False
     t.resume_tape = resume
-    site, swapped = call_site(module, frame)
+    # (a method is run by ampguard's frames for the frame above them: the user's, where the user called it, else
+    # Lightning's loop, whose frames are not the user's: a short walk)
+    site, swapped = call_site(module, frame) if method is None else (first_user(frame, 4), None)
     t.entry = (_rng_state(), _autocast_state(), grad,
-               torch.is_inference_mode_enabled(), site, t.steps, redirected(module), swapped)
+               torch.is_inference_mode_enabled(), site, t.steps, method or redirected(module), swapped)
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
@@ -873,7 +876,8 @@ def _made(t: _Thread, outputs: list, index: int) -> list:
     return refs
 
 
-def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
+def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False, tape: bool = True) -> None:
+    """The end of an outermost call: its outputs are sinks, and (``tape``) the loss code that follows is recorded."""
     __tracebackhide__ = True
     t = _here.state
     if t.eager_stack:
@@ -945,7 +949,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         call.args = weak(args, True)
         call.kwargs = weak(kwargs, True) if kwargs else kwargs
     known_root(g, module)
-    if g.options.trace != "off" and (training or t.resume_tape):
+    if tape and g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
         end_tape(t)
@@ -1258,16 +1262,32 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's."""
+    """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's.
+
+    Under automatic optimization, training_step is itself the outermost call (as under a strategy, which runs it as
+    its wrapped module's forward): captured once, with every module call inside it on torch's fast path and no
+    record of its loss code. A replay runs training_step again, which computes that loss code, with its lines."""
     g = _guard.current(FEATURE)
-    if g is None:
+    t = _here.state
+    if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
-    result = wrapped(*args, **kwargs)
-    t = _here.state
+    if g.options.trace != "eager" and getattr(instance, "automatic_optimization", False) is True:
+        result = outermost.run_as_outermost(instance, wrapped, args, kwargs, _enter_training_step,
+                                            _exit_training_step)
+    else:
+        result = wrapped(*args, **kwargs)
     if t.tape is not None and not t.eager:
         end_tape(t)
     return result
+
+
+def _enter_training_step(module: Any, frame: Any) -> int:
+    return enter(module, frame, "training_step")
+
+
+def _exit_training_step(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> None:
+    exit(module, args, kwargs, output, raised, tape=False)  # what follows until backward() is Lightning's
 
 
 def _closure_result(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
