@@ -547,6 +547,78 @@ def test_training_step_is_one_outermost_call_with_its_module_calls_on_torchs_fas
     assert seen == [(None, [("Call", True, "training_step")])] * BATCHES
 
 
+def realistic_class(L):
+    class Realistic(L.LightningModule):
+        """The shapes real training steps have: a checkpointed block, an attention mask filled with -inf, a teacher
+        under no_grad, a loss written as an nn.Module, self.log, and a dict with the logits beside the loss."""
+
+        def __init__(self, poison_at=None):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Linear(8, 16)
+            self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Dropout(0.1))
+            self.head = torch.nn.Linear(16, 3)
+            self.teacher = torch.nn.Linear(8, 3).requires_grad_(False)
+            self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+            self.poison_at = poison_at
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = torch.utils.checkpoint.checkpoint(self.block, self.embed(x), use_reentrant=False)
+            mask = torch.ones(len(x), len(x), dtype=torch.bool).triu(1)
+            attention = (h @ h.T / 4).masked_fill(mask, float("-inf")).softmax(-1)
+            logits = self.head(attention @ h)
+            with torch.no_grad():
+                soft = self.teacher(x).softmax(-1)
+            loss = self.criterion(logits, y) + torch.nn.functional.kl_div(logits.log_softmax(-1), soft,
+                                                                          reduction="batchmean")
+            if batch_idx == self.poison_at:
+                loss = loss * torch.log(soft - 1).mean()  # REALISTIC POISON
+            self.log("train_loss", loss)
+            return {"loss": loss, "logits": logits.detach()}
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Realistic
+
+
+def realistic_fit(L, model, callbacks=()):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=list(callbacks))
+    torch.manual_seed(1)  # (dropout)
+    trainer.fit(model, DataLoader(data, batch_size=8))
+
+
+def test_a_realistic_training_step_trains_bit_identically_and_a_nan_in_it_is_named_before_its_step(L):
+    """training_step as the outermost call, with what real steps hold: a checkpointed block (its re-run in backward
+    is no call), an attention mask of -inf (no sink: the loss is), a no_grad teacher, a loss module, dropout (the
+    replay runs with the step's RNG state)."""
+    plain = realistic_class(L)()
+    realistic_fit(L, plain)
+    ampguard.install()
+    guarded = realistic_class(L)()
+    realistic_fit(L, guarded)
+    for p, q in zip(plain.parameters(), guarded.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    steps = []
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append(pl_module.head.weight.detach().clone())
+
+    poisoned = realistic_class(L)(poison_at=2)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        realistic_fit(L, poisoned, callbacks=[Probe()])
+    err = info.value
+    assert err.sink == "loss" and err.op == "torch.log", str(err)
+    assert err.origin[-1].line.endswith("# REALISTIC POISON"), str(err)
+    assert len(steps) == 2 and torch.equal(poisoned.head.weight, steps[-1])  # the third step was not applied
+
+
 @pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
 def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_a_nan_after_it_is_named(L, automatic):
     """Under manual optimization the loss code in training_step is recorded, and self.log()'s torch calls are not
