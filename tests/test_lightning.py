@@ -619,6 +619,24 @@ def test_a_realistic_training_step_trains_bit_identically_and_a_nan_in_it_is_nam
     assert len(steps) == 2 and torch.equal(poisoned.head.weight, steps[-1])  # the third step was not applied
 
 
+def test_training_step_called_outside_a_trainer_keeps_its_module_calls_as_the_outermost_calls(L):
+    """Without a Trainer (Fabric, a test, a loop of the user's own) nothing says that backward() and the step come
+    after training_step returns: a NaN read at a step inside it must find the module calls before it recorded."""
+    class SelfStepping(module_class(L)):
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).log().mean()  # NaN where the layer's output is negative  # SELF STEPPING
+            loss.backward()
+            self.opt.step()
+            return loss
+
+    model = SelfStepping()
+    model.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model.training_step((torch.randn(8, 4),), 0)
+    assert info.value.op == "Tensor.log" and info.value.origin[-1].line.endswith("# SELF STEPPING"), str(info.value)
+
+
 @pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
 def test_self_log_in_training_step_is_not_recorded_as_loss_code_and_a_nan_after_it_is_named(L, automatic):
     """Under manual optimization the loss code in training_step is recorded, and self.log()'s torch calls are not

@@ -1264,15 +1264,18 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Lightning: the loss code is in training_step; what runs after it until backward() is Lightning's.
 
-    Under automatic optimization, training_step is itself the outermost call (as under a strategy, which runs it as
-    its wrapped module's forward): captured once, with every module call inside it on torch's fast path and no
-    record of its loss code. A replay runs training_step again, which computes that loss code, with its lines."""
+    Under a Trainer's automatic optimization, training_step is itself the outermost call (as under a strategy, which
+    runs it as its wrapped module's forward): captured once, with every module call inside it on torch's fast path
+    and no record of its loss code. A replay runs training_step again, which computes that loss code, with its
+    lines. Lightning calls backward() and the step only once it has returned. Called outside a Trainer (Fabric, a
+    loop of the user's own), training_step may step inside: there its module calls stay the outermost calls."""
     g = _guard.current(FEATURE)
     t = _here.state
     if g is None or t.replaying:
         return wrapped(*args, **kwargs)
     known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
-    if g.options.trace != "eager" and getattr(instance, "automatic_optimization", False) is True:
+    if g.options.trace != "eager" and getattr(instance, "automatic_optimization", False) is True and \
+            getattr(instance, "_trainer", None) is not None:
         result = outermost.run_as_outermost(instance, wrapped, args, kwargs, _enter_training_step,
                                             _exit_training_step)
     else:
