@@ -761,9 +761,8 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
             finally:
                 t.late = False
     t.resume_tape = resume
-    # (a method is run by ampguard's frames for the frame above them: the user's, where the user called it, else
-    # Lightning's loop, whose frames are not the user's: a short walk)
-    site, swapped = call_site(module, frame) if method is None else (first_user(frame, 4), None)
+    # (a method, training_step, is called by a Trainer's loop: no frame of the user's calls it)
+    site, swapped = call_site(module, frame) if method is None else (None, None)
     t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), site, t.steps, method or redirected(module), swapped)
     options = g.options
