@@ -6,6 +6,7 @@ replay (the failure path) on the GPT-2-style model.
 
     python benchmarks/overhead.py                      # every workload, CPU (or CUDA if present)
     python benchmarks/overhead.py --only tiny,lightning --reps 9
+    python benchmarks/overhead.py --only sgd           # the plain fp32 loop: no GradScaler
     python benchmarks/overhead.py --only rollout       # inference: two small no_grad module calls a step
     python benchmarks/overhead.py --quick              # seconds: a smoke run for the tests
     python benchmarks/overhead.py --only gpt2-small    # GPU: GPT-2-small size, fp16 autocast + GradScaler
@@ -91,6 +92,23 @@ def tiny():
         scaler.step(opt)
         scaler.update()
         sched.step()
+        opt.zero_grad()
+
+    return step
+
+
+def sgd():
+    """The plain fp32 loop: no GradScaler, so the loss and the gradients get statuses of their own where an AMP loop
+    rides on found_inf. The default's costliest small step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32, device=DEVICE), torch.randn(16, 1, device=DEVICE)
+
+    def step():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
         opt.zero_grad()
 
     return step
@@ -445,14 +463,14 @@ def memory(quick):
     print(f"  guard {guarded:8.0f} MiB {guarded / plain:7.3f}x")
 
 
-WORKLOADS = ("tiny", "lightning", "lightning-log", "rollout", "mlp", "conv", "encoder", "gpt2", "scaling", "memory",
-             "gpt2-small")
+WORKLOADS = ("tiny", "sgd", "lightning", "lightning-log", "rollout", "mlp", "conv", "encoder", "gpt2", "scaling",
+             "memory", "gpt2-small")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="tiny,lightning,lightning-log,rollout,mlp,conv,encoder,gpt2",
+    parser.add_argument("--only", default="tiny,sgd,lightning,lightning-log,rollout,mlp,conv,encoder,gpt2",
                         help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
@@ -472,6 +490,9 @@ def main() -> None:
     if "tiny" in only:
         show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)",
              measure(tiny(), every, reps, 20 if q else 200))
+    if "sgd" in only:
+        show("plain fp32 loop (Linear 32-32-1, MSE, SGD, loss.backward(); no GradScaler)",
+             measure(sgd(), every, reps, 20 if q else 200))
     if "lightning" in only:
         show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)",
              measure_fit(lightning_fit(), fits, reps,

@@ -30,7 +30,7 @@ def test_the_overhead_benchmark_refuses_a_workload_it_does_not_have(python):
     """A misspelt --only printed a header and no table, as if the run had measured something."""
     proc = python(None, str(BENCHMARKS / "overhead.py"), "--only", "tiny,wide", timeout=60)
     assert proc.returncode == 2
-    assert "--only: unknown wide; the workloads are tiny, lightning, lightning-log, rollout, mlp" in proc.stderr
+    assert "--only: unknown wide; the workloads are tiny, sgd, lightning, lightning-log, rollout, mlp" in proc.stderr
     assert proc.stdout == ""
 
 
