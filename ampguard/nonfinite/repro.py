@@ -77,9 +77,8 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
     event = window[origin.event]
     captured = _capture(origin)
     target = captured.pop("target")
-    if type(event) is TapeOp or target is None:  # an op of the loss code, or of a method's own code
-        func = captured.pop("func", None) or event.func
-        kind, payload = "op", {"func": report.op_name(func), "args": captured.pop("args"),
+    if target is None:  # an op of the loss code, or of a method's own code (training_step's)
+        kind, payload = "op", {"func": report.op_name(captured.pop("func")), "args": captured.pop("args"),
                                "kwargs": captured.pop("kwargs")}
         names = {"module_class": None, "module_path": None, "root_class": None}
     else:
@@ -148,7 +147,8 @@ def _capture(origin: Origin) -> dict:
                 if target is None:
                     args = replay._map(session, event.args, True, "an input of the loss code")
                     kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
-                    return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None}
+                    return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None,
+                            "func": event.func}
                 args, kwargs = replay._map_call(session, event, type(root).__name__)
             except replay.Freed as freed:
                 raise NotBundled(str(freed)) from None
@@ -161,18 +161,23 @@ def _capture(origin: Origin) -> dict:
             taken.update(_snapshot(module, args, kwargs, sinks._autocast_state(), torch.is_grad_enabled(),
                                    torch.is_inference_mode_enabled(), rng=sinks._rng_state()))
 
-        handle = target.register_forward_pre_hook(pre, with_kwargs=True)
-        session.stop_after = origin.record  # the same replay as the one that found it, stopped there
-        try:
-            replay.run_window(session, window[:origin.event + 1], names=origin.names)
-        except replay.Reached:
-            pass
-        finally:
-            handle.remove()
-    if not taken:
-        why = session.unreplayed.get(origin.event, "the capture replay did not reach the call that holds the origin")
-        raise NotBundled(why)
+        _replay_to_origin(session, window, origin, target.register_forward_pre_hook(pre, with_kwargs=True), taken,
+                          "the call that holds the origin")
     return {**taken, "target": target}
+
+
+def _replay_to_origin(session: replay.Session, window: list, origin: Origin, watching: Any, taken: dict,
+                      what: str) -> None:
+    """The replay that found the origin once more, stopped at its record, with ``watching`` (a context: a hook, a
+    mode) filling ``taken`` on the way; NotBundled where nothing was taken."""
+    session.stop_after = origin.record
+    try:
+        with watching:
+            replay.run_window(session, window[:origin.event + 1], names=origin.names)
+    except replay.Reached:
+        pass
+    if not taken:
+        raise NotBundled(session.unreplayed.get(origin.event, f"the capture replay did not reach {what}"))
 
 
 def _capture_method_op(session: replay.Session, window: list, origin: Origin) -> dict:
@@ -201,15 +206,7 @@ def _capture_method_op(session: replay.Session, window: list, origin: Origin) ->
                         taken.update(_snapshot(None, *before, *state), func=func)
                 raise
 
-    session.stop_after = origin.record  # the same replay as the one that found it, stopped there
-    try:
-        with Entry():
-            replay.run_window(session, window[:origin.event + 1], names=origin.names)
-    except replay.Reached:
-        pass
-    if not taken:
-        why = session.unreplayed.get(origin.event, "the capture replay did not reach the op that made the origin")
-        raise NotBundled(why)
+    _replay_to_origin(session, window, origin, Entry(), taken, "the op that made the origin")
     return {**taken, "target": None}
 
 
