@@ -88,6 +88,8 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
         assert f"{feature} is switched off for the rest of this run" in str(warning.message)
     assert any("injected fault" in r.exc_text for r in caplog.records if r.exc_text)
     assert g._disabled == features and g._on == {"schedulers", "nonfinite", "lint", "closures"} - features
+    # every hook's first question answers the same at once: off for these features, the guard for the others
+    assert all(_guard.current(f) is (None if f in features else g) for f in ("schedulers", "nonfinite", "lint"))
     if "schedulers" in features:
         # the scheduler stepped on skipped steps, as PyTorch does: the plain run exactly
         assert lrs == plain_lrs and all(torch.equal(p, q) for p, q in zip(params, plain_params, strict=True))
