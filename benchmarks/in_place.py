@@ -10,7 +10,8 @@ first 50 dropped, or half of a short run's).
 
 Two experiments, each a status that ampguard reads at once on the CPU:
 
-- a gradient sink's statuses (``sinks._statuses``, their host reads included), taken as ampguard
+- a gradient sink at an optimizer step (``sinks._add_grads``: the gradients found, their statuses taken and
+  read on the CPU), with the statuses taken as ampguard
   takes them (a small gradient's few values read as Python floats, a sum of each other one, the small
   ones a buffer at a time), as sums alone (before the few values), and as the foreach 2-norm (before
   the sums; with the buffers' 2-norm). Workloads: the Lightning fit of overhead.py (two small
@@ -47,9 +48,12 @@ SKIP = 50  # calls dropped at the start of each run (warming up)
 
 
 def two_norm_statuses(grads: list) -> tuple[list, list]:
-    """The gradient statuses as ampguard took them before: the foreach 2-norm, small tensors buffered by 16s."""
-    if len(grads) < sinks.FEW or not grads[0].is_cpu or not _sync.HOST_READS:
+    """The gradient statuses as ampguard took them before: the foreach 2-norm, small tensors buffered by 16s (taken
+    here, where the read took them then, so that the call timed holds them as it holds the others)."""
+    if not grads[0].is_cpu or not _sync.HOST_READS:
         return [], grads
+    if len(grads) < sinks.FEW:
+        return sinks._norms(grads), []
     tensor, dtype = torch.Tensor, grads[0].dtype
     buffers, chunk, size, rest = [], [], 0, []
     for g in grads:
@@ -67,7 +71,7 @@ def two_norm_statuses(grads: list) -> tuple[list, list]:
     else:
         rest.extend(chunk)
     flatten = torch._C._nn.flatten_dense_tensors
-    return [sinks.norm(flatten(b)) for b in buffers], rest
+    return [sinks.norm(flatten(b)) for b in buffers] + (sinks._norms(rest) if rest else []), []
 
 
 AMPGUARD = sinks._gradient_statuses
@@ -115,7 +119,7 @@ def alternated(run: Any, owner: Any, name: str, variants: dict, per_step: int) -
 
 
 def gradient_statuses(run: Any) -> dict:
-    return alternated(run, sinks, "_statuses", GRADIENTS, 1)
+    return alternated(run, sinks, "_add_grads", GRADIENTS, 1)
 
 
 def output_statuses(steps: int) -> dict:
@@ -161,7 +165,7 @@ def main() -> None:
                      linear_loop(layers, width, max(8, int(steps * scale)))))
     print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, 1 torch thread; median us a call, variants "
           "alternated step by step")
-    print("\na gradient sink's statuses and their reads (sinks._statuses)")
+    print("\na gradient sink at the step: its statuses and their reads (sinks._add_grads)")
     print(f"  {'workload':44s}" + "".join(f"{name:>28s}" for name in GRADIENTS))
     for title, run in runs:
         times = gradient_statuses(run)

@@ -50,7 +50,9 @@ def raise_injected(*args, **kwargs):
 FAULTS = [
     ("ampguard.schedulers._should_hold", {"schedulers"}),
     ("ampguard.schedulers._remember_step", {"schedulers"}),
-    ("ampguard._sync.read", {"schedulers", "nonfinite"}),  # the shared read: both features that read fall back
+    # the shared read: both features that read fall back (the device's path: on the CPU the non-finite checks take
+    # their values at once, and a step whose gradients are finite leaves nothing for the read)
+    ("ampguard._sync.read", {"schedulers", "nonfinite"}),
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
     ("ampguard.nonfinite.sinks.add_loss", {"nonfinite"}),  # the loss sink (a scalar: no _norms pass here)
     # the outermost call's start and end: the sinks' enter() and exit(), as outermost's hooks hold them
@@ -75,6 +77,8 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
         monkeypatch.setitem(_guard._STATE_FACTORIES, "lint", raise_injected)
     else:
         monkeypatch.setattr(f"{module}.{name}", raise_injected)
+    if target == "ampguard._sync.read":
+        monkeypatch.setattr(_sync, "HOST_READS", False)
     if target == "ampguard.nonfinite.sinks._consume":  # the shared read holds its own reference
         monkeypatch.setattr(_sync, "_participants", [(f, c, raise_injected if f == "nonfinite" else s)
                                                      for f, c, s in _sync._participants])

@@ -1480,8 +1480,27 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
         parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
     else:
         parts = grads
+    status = None
+    if _sync.HOST_READS:
+        # A CPU status is read now, as the read would (no sync on the CPU): finite, it leaves nothing to read, and a
+        # step of a CPU loop, whose loss was read at once too, ends its window without the read's bookkeeping. What is
+        # left (gradients on a device) waits for the read; a non-finite total waits as the status, which the read
+        # judges as it judges a sum's (checked exactly), with no second pass.
+        one = parts[0]
+        if len(parts) > 1 or one.dim():
+            statuses, parts = _gradient_statuses(parts)
+        elif type(one) is _Tensor and one.is_cpu:  # a scalar (the clip's total norm) is its own status: no pass
+            statuses, parts = [one], []
+        else:
+            statuses = ()
+        values = _sync.on_host(statuses) if statuses else ()
+        total = sum(values, 0.0)
+        if total - total != 0.0:
+            status = total
+        elif not parts:
+            return
     t.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
-                             optimizer=weakref.ref(optimizer)))
+                             optimizer=weakref.ref(optimizer), status=status))
 
 
 @fail_safe(FEATURE)
@@ -1721,8 +1740,9 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
-        if p.params is not None and (len(p.parts) > 1 or p.parts[0].dim()):  # gradients (a 0-dim part: the clip's
-            # total norm, or one scalar parameter's gradient, is its own status, taken below)
+            summed = summed or type(p.status) is float  # (the CPU gradients' total, taken at the step: _add_grads)
+        if p.params is not None and (len(p.parts) > 1 or (p.parts and p.parts[0].dim())):  # gradients (a 0-dim
+            # part: the clip's total norm, or one scalar parameter's gradient, is its own status, taken below)
             flat, rest = _gradient_statuses(p.parts)
             summed = summed or bool(flat)
             for status in flat:
