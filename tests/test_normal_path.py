@@ -251,6 +251,34 @@ def test_no_pass_over_the_gradients_when_the_loop_clips(monkeypatch):
     assert reads == [("values", p.numel()) for p in model.parameters()]
 
 
+def test_a_finite_cpu_step_leaves_nothing_for_the_shared_read_and_a_nan_gradient_still_is_named(monkeypatch):
+    """On the CPU the loss and the gradients are read where they are met (no sync there): a step whose values are
+    all finite ends its window at the step without the shared read, with or without a clip; a NaN gradient waits for
+    the read, which names it before the update."""
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reads = []
+    real = _sync.read
+    monkeypatch.setattr(_sync, "read", lambda *a, **k: reads.append(a) or real(*a, **k))
+    for clip in (False, True, False):
+        model(torch.randn(4, 8)).sum().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert sinks.T.pending == [] and sinks.T.window == []
+    assert reads == []
+    handle = model.fc.weight.register_hook(lambda grad: grad * float("nan"))
+    before = model.fc.weight.detach().clone()
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        opt.step()
+    handle.remove()
+    assert len(reads) == 1 and info.value.sink == "gradient of parameter 'fc.weight'"
+    assert torch.equal(model.fc.weight, before)
+
+
 class ManyTensors(torch.nn.Module):
     """A model's shape of gradients: many small ones (biases, small layers), a large one, and another dtype."""
 
