@@ -1481,15 +1481,16 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     else:
         parts = grads
     status = None
-    if _sync.HOST_READS:
+    one = parts[0]
+    if _sync.HOST_READS and one.is_cpu:
         # A CPU status is read now, as the read would (no sync on the CPU): finite, it leaves nothing to read, and a
         # step of a CPU loop, whose loss was read at once too, ends its window without the read's bookkeeping. What is
         # left (gradients on a device) waits for the read; a non-finite total waits as the status, which the read
-        # judges as it judges a sum's (checked exactly), with no second pass.
-        one = parts[0]
+        # judges as it judges a sum's (checked exactly), with no second pass. (A model on a device, its first
+        # gradient there, goes to the read at once: no second walk over its gradients.)
         if len(parts) > 1 or one.dim():
             statuses, parts = _gradient_statuses(parts)
-        elif type(one) is _Tensor and one.is_cpu:  # a scalar (the clip's total norm) is its own status: no pass
+        elif type(one) is _Tensor:  # a scalar (the clip's total norm) is its own status: no pass
             statuses, parts = [one], []
         else:
             statuses = ()
