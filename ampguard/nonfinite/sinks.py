@@ -1494,8 +1494,9 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
             statuses, parts = [one], []
         else:
             statuses = ()
-        values = _sync.on_host(statuses) if statuses else ()
-        total = sum(values, 0.0)
+        total = 0.0
+        for value in statuses:  # (Python floats, or 0-dim CPU tensors: read at once)
+            total += value if type(value) is float else value.item()
         if total - total != 0.0:
             status = total
         elif not parts:
