@@ -1077,19 +1077,34 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
     if index >= MAX_WINDOW:
         t.taping = False
         return
-    frames = []
-    for _ in range(6):
-        frames.append((frame.f_code, frame.f_lasti))  # a line number only when a message needs one
-        frame = frame.f_back
-        if frame is None:
-            break
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
-    window.append(TapeOp(func, weak_args, weak_kwargs, refs, tuple(frames),
+    window.append(TapeOp(func, weak_args, weak_kwargs, refs, _six_frames(frame),
                          _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
     if t.eager:
         _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
+
+
+def _six_frames(f: Any) -> tuple:
+    """(code, instruction offset) of ``f`` and the five frames above it, as far as there are (a line number only when
+    a message needs one). Written out: at every recorded op, a loop over the six cost a quarter more."""
+    a = (f.f_code, f.f_lasti)
+    if (f := f.f_back) is None:
+        return (a,)
+    b = (f.f_code, f.f_lasti)
+    if (f := f.f_back) is None:
+        return a, b
+    c = (f.f_code, f.f_lasti)
+    if (f := f.f_back) is None:
+        return a, b, c
+    d = (f.f_code, f.f_lasti)
+    if (f := f.f_back) is None:
+        return a, b, c, d
+    e = (f.f_code, f.f_lasti)
+    if (f := f.f_back) is None:
+        return a, b, c, d, e
+    return a, b, c, d, e, (f.f_code, f.f_lasti)
 
 
 def start_tape(g: _guard.Guard) -> None:
