@@ -11,11 +11,10 @@ first 50 dropped, or half of a short run's).
 Two experiments, each a status that ampguard reads at once on the CPU:
 
 - a gradient sink at an optimizer step (``sinks._add_grads``: the gradients found, their statuses taken and
-  read on the CPU), with the statuses taken as ampguard
-  takes them (a small gradient's few values read as Python floats, a sum of each other one, the small
-  ones a buffer at a time), as sums alone (before the few values), and as the foreach 2-norm (before
-  the sums; with the buffers' 2-norm). Workloads: the Lightning fit of overhead.py (two small
-  gradients), and plain SGD loops of Linear layers;
+  read on the CPU), with the statuses taken as ampguard takes them (a small gradient's few values read as
+  Python floats, a sum of each other one, the small ones a buffer at a time), as sums alone (before the few
+  values), and as the foreach 2-norm (before the sums; with the buffers' 2-norm). Workloads: the Lightning
+  fit of overhead.py (two small gradients), and plain SGD loops of Linear layers;
 - an inference output's status, as the whole end of its outermost call (``sinks.exit``): its few
   values read as Python floats, its sum, and its 2-norm, on overhead.py's RL rollout (a policy and a
   value MLP per step).
