@@ -368,10 +368,14 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
     values, see FEW_ELEMENTS), the small ones of the first one's dtype a buffer of them at a time (see SMALL) where
     there are many, and the tensors left for the foreach norm: every one on a device,
     where the foreach norm is one kernel for all, and where tests take the device path on a CPU
-    (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective."""
+    (_sync.HOST_READS). Only plain tensors are summed here: a DTensor's sum or cat would be a collective. One
+    scalar (the clip's total norm, or one scalar parameter's gradient) is its own status, wherever it is: no pass."""
+    one = grads[0]
+    if len(grads) == 1 and not one.dim():
+        return [one.detach() if one.requires_grad else one], []
     if not _sync.HOST_READS:
         return [], grads
-    tensor, dtype = _Tensor, grads[0].dtype
+    tensor, dtype = _Tensor, one.dtype
     bufferable = len(grads) >= FEW
     statuses, rest, buffers, chunk, size = [], [], [], [], 0
     for g in grads:
@@ -1496,22 +1500,14 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     else:
         parts = grads
     status = None
-    one = parts[0]
-    if _sync.HOST_READS and one.is_cpu:
+    if _sync.HOST_READS and parts[0].is_cpu:
         # A CPU status is read now, as the read would (no sync on the CPU): finite, it leaves nothing to read, and a
         # step of a CPU loop, whose loss was read at once too, ends its window without the read's bookkeeping. What is
         # left (gradients on a device) waits for the read; a non-finite total waits as the status, which the read
         # judges as it judges a sum's (checked exactly), with no second pass. (A model on a device, its first
         # gradient there, goes to the read at once: no second walk over its gradients.)
-        if len(parts) > 1 or one.dim():
-            statuses, parts = _gradient_statuses(parts)
-        elif type(one) is _Tensor:  # a scalar (the clip's total norm) is its own status: no pass
-            statuses, parts = [one], []
-        else:
-            statuses = ()
-        total = 0.0
-        for value in statuses:  # (Python floats, or 0-dim CPU tensors: read at once)
-            total += value if type(value) is float else value.item()
+        statuses, parts = _gradient_statuses(parts)
+        total = sum(_sync.on_host(statuses), 0.0)
         if total - total != 0.0:
             status = total
         elif not parts:
@@ -1758,8 +1754,7 @@ def _statuses(g: _guard.Guard) -> Any:
             at.append(~len(taken))
             taken.append(p.status)
             summed = summed or type(p.status) is float  # (the CPU gradients' total, taken at the step: _add_grads)
-        if p.params is not None and (len(p.parts) > 1 or (p.parts and p.parts[0].dim())):  # gradients (a 0-dim
-            # part: the clip's total norm, or one scalar parameter's gradient, is its own status, taken below)
+        if p.params is not None and p.parts:  # gradients (none left: their total was taken at the step)
             flat, rest = _gradient_statuses(p.parts)
             summed = summed or bool(flat)
             for status in flat:
