@@ -163,6 +163,38 @@ def test_a_dropped_output_is_freed_before_backward():
     opt.step()
 
 
+class TakesMany(torch.nn.Module):
+    """A model called with a batch, a mask in a list, a number, a parameter and another call's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x, extras, k, weight, h):
+        mask, (bias,) = extras
+        return self.fc(x * mask + bias) * weight * k + h
+
+
+def test_a_recorded_call_holds_its_batch_as_it_is_and_every_tensor_with_history_weakly():
+    ampguard.install()
+    model, encoder = TakesMany(), torch.nn.Linear(4, 4)
+    x, mask, bias = torch.randn(2, 4), torch.ones(2, 4), torch.zeros(4)
+    h = encoder(x)  # an earlier call's output: known as "output 0 of event 0"
+    model(x, [mask, (bias,)], 3, model.scale, h).sum().backward()
+    first, call = [e for e in sinks.T.window if type(e) is sinks.Call]
+    x_held, (mask_held, (bias_held,)), k_held, weight_held, h_held = call.args
+    assert x_held is x and mask_held is mask and bias_held is bias  # data: kept as it is until the read
+    assert type(call.args[1]) is list and type(call.args[1][1]) is tuple and k_held == 3
+    assert type(weight_held) is sinks.Ref and weight_held.event == -1 and weight_held.ref() is model.scale
+    assert type(h_held) is sinks.Ref and (h_held.event, h_held.key) == (first.index, 0) and h_held.ref() is h
+    with torch.no_grad():
+        feats = encoder(x)  # no history, and made by the window: its output, not data
+    model(feats, [mask, (bias,)], 1, model.scale, h)
+    held = [e for e in sinks.T.window if type(e) is sinks.Call][-1].args[0]
+    assert type(held) is sinks.Ref and held.ref() is feats and held.event >= 0
+
+
 def test_ampguard_holds_no_activation_output_or_loss_graph_between_steps():
     ampguard.install()
     model = Net()
