@@ -15,6 +15,12 @@ Rows: ``floor: skip tracking`` stands for ``nonfinite="off"`` (the scheduler hol
 step, update, LRScheduler.step and backward; found_inf known from whether the step ran, as ampguard
 knows it for a non-fused optimizer, so no read); ``floor: + sinks and tape`` stands for the default (also
 the module hooks, the RNG copy, the loss-code record and the loss read).
+
+The Lightning fit of overhead.py gets the same for the default: ``training_step`` wrapped and run as the
+outermost call (the global pre-hook off while it runs, the RNG copy, its arguments held weakly), the loss read
+at ``backward()``, and the closure that Lightning hands ``optimizer.step()`` wrapped by an optimizer pre-hook,
+so that the gradients' statuses (their few values read as Python floats, as ampguard reads a small model's) are
+taken before the update.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import wrapt
 from torch.amp.grad_scaler import GradScaler
 from torch.nn.modules import module as nn_module
 from torch.optim.lr_scheduler import LRScheduler
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 import ampguard
@@ -50,6 +56,7 @@ class _State:
         self.ran = False
         self.applied = self.skipped = 0
         self.snapshot = (0, 0)
+        self.loss_at_backward = False  # the Lightning stand-in: no GradScaler reads the loss, backward() does
 
 
 S = _State()
@@ -124,7 +131,76 @@ def _scale(wrapped, instance, args, kwargs):
 
 def _backward(wrapped, instance, args, kwargs):
     _end_tape()
+    if S.loss_at_backward and not math.isfinite(args[0].item()):
+        raise FloatingPointError("non-finite loss")
     return wrapped(*args, **kwargs)
+
+
+# -- the Lightning stand-in ------------------------------------------------------------------------
+def _training_step(wrapped, instance, args, kwargs):
+    """training_step as the outermost call: nested calls find no global hook."""
+    hooks = nn_module._global_forward_pre_hooks
+    hooks.pop(_global[0].id)
+    S.entry = (torch.default_generator.get_state(), torch.is_autocast_enabled("cpu"), torch.is_grad_enabled())
+    try:
+        out = wrapped(*args, **kwargs)
+    finally:
+        hooks[_global[0].id] = _global_pre
+    batch, index = args
+    S.window.append((instance, [_weak(b) for b in batch], index, S.entry, weakref.ref(out)))
+    return out
+
+
+def _gradients(optimizer):
+    total = 0.0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                values = p.grad.tolist()
+                total += sum(values) if p.grad.dim() == 1 else sum(map(sum, values))
+    if total - total != 0.0:
+        raise FloatingPointError("non-finite gradients")
+    S.window, S.produced = [], {}
+
+
+def _pre_step(optimizer, args, kwargs):
+    closure = kwargs.get("closure")
+    if closure is None:
+        _gradients(optimizer)
+        return None
+
+    def checked():
+        result = closure()
+        _gradients(optimizer)
+        return result
+
+    return args, {**kwargs, "closure": checked}
+
+
+@contextlib.contextmanager
+def lightning_floor():
+    """The Lightning stand-in's patches, on for the block."""
+    from lightning.pytorch.strategies.strategy import Strategy  # (ampguard wraps each override of the module's
+    # training_step as its class is made; the stand-in wraps the one call of it a step, the strategy's)
+
+    original = vars(Strategy)["training_step"]
+    backward = vars(torch.autograd)["backward"]
+    Strategy.training_step = wrapt.FunctionWrapper(original, _training_step)
+    torch.autograd.backward = wrapt.FunctionWrapper(backward, _backward)
+    S.loss_at_backward = True
+    handles = [register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_ran),
+               nn_module.register_module_forward_pre_hook(_global_pre)]
+    _global.append(handles[-1])
+    try:
+        yield
+    finally:
+        _global.pop()
+        for handle in handles:
+            handle.remove()
+        torch.autograd.backward = backward
+        Strategy.training_step = original
+        S.loss_at_backward = False
+        S.window, S.produced = [], {}
 
 
 def _step(wrapped, instance, args, kwargs):
@@ -194,6 +270,12 @@ def main() -> None:
     times = overhead.measure(step, configs, 1 if options.quick else options.reps, 5 if options.quick else 300)
     overhead.show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)", times)
     print(f"floor: {S.applied} steps counted applied, {S.skipped} skipped")
+    lightning = {"plain": contextlib.nullcontext, "nonfinite='off'": configs["nonfinite='off'"],
+                 "floor: + sinks": lightning_floor, "install() (default)": overhead.installed}
+    overhead.CONFIGS.update(lightning)
+    fit = overhead.lightning_fit()
+    times = overhead.measure_fit(fit, lightning, 1 if options.quick else options.reps, 20 if options.quick else 200)
+    overhead.show("Lightning Trainer.fit, one Linear, batch 2 (per step, between the batch hooks)", times)
 
 
 if __name__ == "__main__":
