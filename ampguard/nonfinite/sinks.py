@@ -392,6 +392,8 @@ def _gradient_statuses(grads: list) -> tuple[list, list]:
             value = few_values_sum(g) if n <= FEW_ELEMENTS else None
             # (float8 too: its float32 sum is the one reduction torch takes of it)
             statuses.append(value if value is not None else sum_status(g))
+    if not chunk and not buffers:
+        return statuses, rest  # (a small model's step: no buffer to make)
     if len(chunk) >= FEW:
         buffers.append(chunk)
     else:
