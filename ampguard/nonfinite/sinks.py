@@ -518,24 +518,8 @@ def weak(value: Any, data: bool) -> Any:
             return value
         produced = _here.state.produced
         out = []
-        # (a loop, not a comprehension: this runs for every recorded call. The usual items, a number, a plain tensor
-        # the window made or a batch it did not, and a batch's list, are _weak_one's cases written out: no call)
-        for v in value:
-            item = type(v)
-            if item in _ATOMS:
-                out.append(v)
-            elif item is _Tensor:
-                made = produced.get(id(v))
-                if made is not None and made.ref() is v:
-                    out.append(made)
-                elif data and v.grad_fn is None and not v.requires_grad:
-                    out.append(v)
-                else:
-                    out.append(_weak_one(v, data, produced))
-            elif item is tuple or item is list:
-                out.append(weak(v, data))
-            else:
-                out.append(_weak_one(v, data, produced))
+        for v in value:  # (a loop, not a comprehension: this runs for every recorded call; no call for a number)
+            out.append(v if type(v) in _ATOMS else _weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
         for item in value.values():
