@@ -1747,7 +1747,6 @@ def _statuses(g: _guard.Guard) -> Any:
     pending, t.pending = t.pending, []
     tensor = _Tensor
     tensors, taken, layout = [], [], []
-    summed = False  # a gradient status was taken here on the CPU: it may be a Python float (see few_values_sum)
     for p in pending:
         if p.guard is not g:
             continue  # another guard's: dropped, never judged here
@@ -1755,10 +1754,8 @@ def _statuses(g: _guard.Guard) -> Any:
         if p.status is not None:
             at.append(~len(taken))
             taken.append(p.status)
-            summed = summed or type(p.status) is float  # (the CPU gradients' total, taken at the step: _add_grads)
         if p.params is not None and p.parts:  # gradients (none left: their total was taken at the step)
             flat, rest = _gradient_statuses(p.parts)
-            summed = summed or bool(flat)
             for status in flat:
                 at.append(~len(taken))
                 taken.append(status)
@@ -1786,7 +1783,9 @@ def _statuses(g: _guard.Guard) -> Any:
         host = _sync.on_host(statuses)
         if host is not None:
             return host
-    if summed:  # (a device's read, or the all-reduce: a few values read as a float are a tensor again, in double)
+    if any(type(s) is float for s in taken):
+        # (a device's read, or the all-reduce: a status read as a Python float, a few values' sum or the CPU gradients'
+        # total taken at the step, is a tensor again, in double)
         statuses = [s if isinstance(s, tensor) else _torch.tensor(s, dtype=_torch.float64) for s in statuses]
     if len(statuses) == 1:
         return statuses[0]  # (0-dim: the read takes it as one value)
