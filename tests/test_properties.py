@@ -1,4 +1,11 @@
-"""Property: whatever overflows, every scheduler has stepped exactly once per applied step (or epoch)."""
+"""Properties.
+
+- Whatever overflows, every scheduler has stepped exactly once per applied step (or epoch), and the loss scale
+  ampguard reports is the scaler's.
+- The sinks' shortcuts on the CPU (a few values read as Python floats, small gradients summed a buffer at a time,
+  sums instead of norms, a clip's total norm) raise exactly where a value is non-finite, whatever the dtypes, sizes
+  and counts, and never for large finite values.
+"""
 
 import warnings
 
@@ -175,3 +182,134 @@ def test_a_clean_non_fused_step_reads_nothing_of_the_scalers():
     assert reads[0] > 0  # the first update reads the scale once
     assert reads[1:] == [0] * 5, reads
     assert g.stats.optimizer_steps_skipped == 1 and sched.last_epoch == 5
+
+
+# -- the sinks tell the truth ------------------------------------------------------------------------
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# around each threshold of the shortcuts: a scalar, a few values (FEW_ELEMENTS=64, up to 2-D), a 3-D few, a buffered
+# small one (SMALL=4096) and one summed alone
+SHAPES = [(), (1,), (8,), (64,), (65,), (8, 8), (9, 8), (300,), (2, 3, 5), (5000,)]
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+def filled(dtype, shape, values, seed):
+    """A tensor of ``values``: 'normal' ones, or 'largest' (each 0.9 of the dtype's largest finite value, of either
+    sign: its sums overflow, its elements do not)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, dtype=torch.float64, generator=generator)
+    if values == "largest":
+        x = torch.where(x < 0, -1.0, 1.0).double() * (torch.finfo(dtype).max * 0.9)  # (where() makes float32)
+    return x.to(dtype)
+
+
+def poisoned(x, at, kind):
+    """``x`` with element ``at`` (modulo its size) made ``kind``; 'inf and -inf': the next one -Inf too, whose sum
+    with +Inf is NaN."""
+    flat = x.view(-1)
+    i = at % flat.numel()
+    flat[i] = POISONS["inf" if kind == "inf and -inf" else kind]
+    if kind == "inf and -inf" and flat.numel() > 1:
+        flat[(i + 1) % flat.numel()] = -float("inf")
+    return x
+
+
+@st.composite
+def gradient_sets(draw):
+    n = draw(st.sampled_from([1, 2, 3, 15, 16, 17, 40]))  # (FEW=16 small gradients make a buffer)
+    dtype = draw(st.sampled_from(DTYPES))
+    mixed = draw(st.booleans())
+    return {
+        "tensors": [(draw(st.sampled_from(DTYPES)) if mixed else dtype, draw(st.sampled_from(SHAPES)))
+                    for _ in range(n)],
+        "values": draw(st.sampled_from(["normal", "largest"])),
+        "poison": draw(st.none() | st.tuples(st.integers(0, n - 1), st.integers(0, 10**6),
+                                              st.sampled_from([*POISONS, "inf and -inf"]))),
+        "clip": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gradient_sets())
+def test_the_gradient_sink_raises_exactly_where_a_gradient_is_non_finite(run):
+    """Gradients as a backward() makes them (a hook hands each parameter its values), read at a plain optimizer step
+    on the CPU, after clip_grad_norm_ where the loop clips (its total norm is the sink then)."""
+    params, grads = [], []
+    for i, (dtype, shape) in enumerate(run["tensors"]):
+        grad = filled(dtype, shape, run["values"], i)
+        if run["poison"] is not None and run["poison"][0] == i:
+            grad = poisoned(grad, *run["poison"][1:])
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.register_hook(lambda _, grad=grad: grad.clone())
+        params.append(p)
+        grads.append(grad)
+    opt = torch.optim.SGD(params, lr=0.0)
+    error = None
+    try:
+        with ampguard.guard() as g:
+            sum((p.float() * 0).sum() for p in params).backward()  # a finite loss: the gradients are the sink
+            if run["clip"]:
+                torch.nn.utils.clip_grad_norm_(params, max_norm=1e30)
+            opt.step()
+    except ampguard.NonFiniteError as exc:
+        error = exc
+    if run["poison"] is None:
+        assert error is None, (run, str(error))
+        assert g.stats.optimizer_steps_applied == 1
+        return
+    assert error is not None, run
+    index, _, kind = run["poison"]
+    if run["clip"]:
+        # (torch's clip multiplies every gradient by max_norm / total: by 0 for an infinite total, by NaN for a NaN
+        # one, and the error describes the gradients the step would have taken)
+        assert error.kind == "nan" and error.sink.startswith("gradient of parameter '#"), (run, str(error))
+    else:
+        assert error.kind == ("inf" if kind == "inf and -inf" else kind), (run, str(error))
+        assert error.sink == f"gradient of parameter '#{index}'", (run, str(error))
+    assert g.stats.optimizer_steps_applied == 0
+
+
+class _Echo(torch.nn.Module):
+    """A model whose output is given: a tensor, or a list of a finite one and it (an encoder's several outputs)."""
+
+    def __init__(self, value, several):
+        super().__init__()
+        self.value, self.several = value, several
+
+    def forward(self, x):
+        out = self.value + x * 0
+        return [torch.zeros(3, dtype=out.dtype) + x * 0, out] if self.several else out
+
+
+@st.composite
+def inference_outputs(draw):
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "shape": draw(st.sampled_from(SHAPES)),
+        "values": draw(st.sampled_from(["normal", "largest"])),
+        "poison": draw(st.none() | st.tuples(st.integers(0, 10**6), st.sampled_from([*POISONS, "inf and -inf"]))),
+        "several": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inference_outputs())
+def test_an_inference_output_raises_exactly_where_it_holds_a_nan(run):
+    """An output under no_grad is read when made (a few values as floats, else a sum): NaN raises; +-Inf does not
+    (log-probabilities, a mask's -inf), nor do +Inf and -Inf together, whose sum is NaN, nor large finite values."""
+    value = filled(run["dtype"], run["shape"], run["values"], 0)
+    if run["poison"] is not None:
+        value = poisoned(value, *run["poison"])
+    model = _Echo(value, run["several"])
+    x = torch.zeros((), dtype=run["dtype"])
+    error = None
+    try:
+        with ampguard.guard(), torch.no_grad():
+            model(x)
+            model(x)  # (the next call of the module reads the previous one's check at the latest)
+    except ampguard.NonFiniteError as exc:
+        error = exc
+    if run["poison"] is None or run["poison"][1] != "nan":
+        assert error is None, (run, str(error))
+        return
+    assert error is not None and error.kind == "nan", run
+    assert error.sink == "output of module '_Echo'" + (" (output 1)" if run["several"] else ""), (run, error.sink)
