@@ -313,3 +313,46 @@ def test_an_inference_output_raises_exactly_where_it_holds_a_nan(run):
         return
     assert error is not None and error.kind == "nan", run
     assert error.sink == "output of module '_Echo'" + (" (output 1)" if run["several"] else ""), (run, error.sink)
+
+
+@st.composite
+def losses(draw):
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "value": draw(st.sampled_from(["normal", "largest", *POISONS])),
+        "how": draw(st.sampled_from(["backward()", "backward(gradient)", "GradScaler"])),
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(losses())
+def test_the_loss_sink_raises_exactly_where_the_loss_is_non_finite(run):
+    """A scalar loss read at once on the CPU, a loss of several elements backward() gets a gradient for (read at the
+    step while held), and a loss that a GradScaler scales: each of a value, large finite ones included."""
+    dtype = run["dtype"]
+    value = POISONS.get(run["value"]) or (torch.finfo(dtype).max * 0.9 if run["value"] == "largest" else 1.5)
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.0)
+    error = None
+    try:
+        with ampguard.guard():
+            if run["how"] == "backward(gradient)":
+                loss = (p * 0).to(dtype) + torch.tensor(value, dtype=dtype)
+                loss.backward(torch.ones_like(loss))
+                opt.step()
+            else:
+                loss = (p * 0).sum().to(dtype) + torch.tensor(value, dtype=dtype)
+                if run["how"] == "GradScaler":
+                    scaler = torch.amp.GradScaler("cpu")  # (a large fp16 loss's scaled gradients overflow: it skips)
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+    except ampguard.NonFiniteError as exc:
+        error = exc
+    if run["value"] not in POISONS:
+        assert error is None, (run, str(error))
+        return
+    assert error is not None and error.kind == run["value"] and error.sink == "loss", (run, str(error))
