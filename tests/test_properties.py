@@ -356,3 +356,153 @@ def test_the_loss_sink_raises_exactly_where_the_loss_is_non_finite(run):
         assert error is None, (run, str(error))
         return
     assert error is not None and error.kind == run["value"] and error.sink == "loss", (run, str(error))
+
+
+# -- the replay names the op that made the value -----------------------------------------------------
+class _Poison(torch.nn.Module):
+    """Makes NaN from finite values with one torch op: the origin each failure must name."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        if self.op == "sqrt":
+            return torch.sqrt(-1 - x * x) + x  # the origin's line: POISON_LINES["sqrt"]
+        if self.op == "log":
+            return torch.log(-1 - x * x) + x
+        return torch.div(x - x, x - x) + x
+
+
+POISON_LINES = {}  # op -> the line of _Poison.forward that makes its NaN
+for _number, _line in enumerate(open(__file__).read().splitlines(), 1):
+    for _op, _text in (("sqrt", "torch.sqrt(-1 - x * x)"), ("log", "torch.log(-1 - x * x)"),
+                       ("div", "torch.div(x - x, x - x)")):
+        if f"return {_text}" in _line:
+            POISON_LINES[_op] = _number
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.norm(torch.nn.functional.gelu(self.lin(x)))
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention over a padded batch: the last two keys of every sequence are masked (-inf scores)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+        mask[:, -2:] = True
+        return x + self.attn(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+BLOCKS = {"linear": lambda d: torch.nn.Linear(d, d), "residual": _Residual, "attention": _Attention, "conv": _Conv,
+          "dropout": lambda d: torch.nn.Dropout(0.1), "relu": lambda d: torch.nn.ReLU()}
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, d, body, checkpointed):
+        super().__init__()
+        self.inp, self.body, self.out = torch.nn.Linear(d, d), body, torch.nn.Linear(d, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = self.inp(x)
+        if self.checkpointed:  # (activation checkpointing: the body runs again in backward)
+            return self.out(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False))
+        return self.out(self.body(x))
+
+
+HOWS = ["train", "bf16 autocast", "GradScaler", "no_grad", "checkpoint", "loss module", "teacher", "accumulate",
+        "trace='eager'"]
+
+
+@st.composite
+def poisoned_models(draw):
+    blocks = draw(st.lists(st.sampled_from(sorted(BLOCKS)), min_size=0, max_size=4))
+    return {
+        "blocks": blocks,
+        "at": draw(st.integers(0, len(blocks))),
+        "nested": draw(st.booleans()),  # the poison inside a Sequential of its own, after a Linear
+        "op": draw(st.sampled_from(sorted(POISON_LINES))),
+        "how": draw(st.sampled_from(HOWS)),
+    }
+
+
+def _train_step(model, opt, x, y, how):
+    """One step as the loops of ``how`` write it."""
+    mse = torch.nn.functional.mse_loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "bf16 autocast"):
+        if how == "loss module":
+            loss = torch.nn.MSELoss()(model(x).float(), y)  # (a loss that is a module: an outermost call itself)
+        elif how == "teacher":
+            with torch.no_grad():
+                soft = torch.nn.Linear(x.shape[-1], 1)(x)  # a distillation teacher's call inside the loss code
+            loss = mse(model(x), y) + mse(model(x), soft)
+        elif how == "accumulate":  # two micro-batches, one step: the NaN is in both
+            mse(model(x[:2]), y[:2]).backward()
+            loss = mse(model(x[2:]), y[2:])
+        else:
+            loss = mse(model(x).float(), y)
+    if how == "GradScaler":
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(poisoned_models())
+def test_the_failure_names_the_op_module_and_line_that_made_the_nan_in_any_model(run):
+    """Whatever the blocks around it (attention with padding masks, dropout, convolutions, residual norms), the loop
+    (autocast, a GradScaler, inference, checkpointing, a loss module, a teacher, gradient accumulation, the eager
+    trace) and so the sink, the error names the op that made the NaN, the module it ran in by its path in the model,
+    and its line."""
+    torch.manual_seed(0)
+    d = 16
+    layers = [BLOCKS[kind](d) for kind in run["blocks"]]
+    poison = _Poison(run["op"])
+    layers.insert(run["at"], torch.nn.Sequential(torch.nn.Linear(d, d), poison) if run["nested"] else poison)
+    model = _Net(d, torch.nn.Sequential(*layers), checkpointed=run["how"] == "checkpoint")
+    expected = f"body.{run['at']}" + (".1" if run["nested"] else "")
+    assert dict(model.named_modules())[expected] is poison
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(4, 6, d), torch.randn(4, 6, 1)
+    error = None
+    try:
+        with ampguard.guard(trace="eager" if run["how"] == "trace='eager'" else "replay"):
+            if run["how"] == "no_grad":
+                with torch.no_grad():
+                    model.eval()
+                    model(x)
+                    model(x)  # (the next call reads the first one's output at the latest)
+            else:
+                _train_step(model, opt, x, y, run["how"])
+    except ampguard.NonFiniteError as exc:
+        error = exc
+    assert error is not None, run
+    assert error.kind == "nan", (run, str(error))
+    assert error.op == f"torch.{run['op']}" and error.module == expected, (run, str(error))
+    assert (error.origin[-1].name, error.origin[-1].lineno) == ("forward", POISON_LINES[run["op"]]), (run, str(error))
+    if run["how"] == "no_grad":
+        assert error.sink == "output of module '_Net'", (run, str(error))
