@@ -7,6 +7,7 @@
   and counts, and never for large finite values.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -506,3 +507,81 @@ def test_the_failure_names_the_op_module_and_line_that_made_the_nan_in_any_model
     assert (error.origin[-1].name, error.origin[-1].lineno) == ("forward", POISON_LINES[run["op"]]), (run, str(error))
     if run["how"] == "no_grad":
         assert error.sink == "output of module '_Net'", (run, str(error))
+
+
+# -- a run in which nothing goes wrong is unchanged ------------------------------------------------------
+@st.composite
+def clean_runs(draw):
+    return {
+        "seed": draw(st.integers(0, 999)),
+        "blocks": draw(st.lists(st.sampled_from(sorted(BLOCKS)), min_size=0, max_size=3)),
+        "batch_norm": draw(st.booleans()),
+        "checkpoint": draw(st.booleans()),
+        "optimizer": draw(st.sampled_from(["SGD", "AdamW"])),
+        "scaler": draw(st.booleans()),
+        "autocast": draw(st.booleans()),
+        "accumulate": draw(st.sampled_from([1, 2])),
+        "clip": draw(st.booleans()),
+        "evaluate": draw(st.booleans()),  # a no_grad evaluation call every third step
+        "options": draw(st.sampled_from([{}, {"nonfinite": "skip"}, {"trace": "eager"}, {"trace": "off"},
+                                         {"nonfinite": "off"}])),
+    }
+
+
+def _clean_run(run, guarded):
+    """Seven steps of ``run``: the parameters, buffers, learning rates and losses after them, and the next random
+    number (ampguard must not draw from the RNG either)."""
+    torch.manual_seed(run["seed"])
+    d = 16
+    blocks = [BLOCKS[kind](d) for kind in run["blocks"]] + ([torch.nn.BatchNorm1d(6)] if run["batch_norm"] else [])
+    model = _Net(d, torch.nn.Sequential(*blocks), checkpointed=run["checkpoint"])
+    opt = getattr(torch.optim, run["optimizer"])(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if run["scaler"] else None
+    lrs, losses = [], []
+    with ampguard.guard(**run["options"]) if guarded else contextlib.nullcontext(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ampguard.AmpGuardWarning)
+        for i in range(7):
+            x, y = torch.randn(4, 6, d), torch.randn(4, 6, 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["autocast"]):
+                out = model(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y) / run["accumulate"]
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if (i + 1) % run["accumulate"] == 0:
+                if run["clip"]:
+                    if scaler is not None:
+                        scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                sched.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+            lrs.append(opt.param_groups[0]["lr"])
+            if run["evaluate"] and i % 3 == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+    lints = [str(w.message).split(" scales ")[0] for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    return [*model.parameters(), *model.buffers(), torch.rand(1)], lrs, losses, lints
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clean_runs())
+def test_a_run_in_which_nothing_goes_wrong_is_bit_identical_under_ampguard(run):
+    """Dropout's draws, batch norm's statistics, checkpointing's re-run, autocast, a GradScaler, clipping, gradient
+    accumulation and evaluation calls between steps: every parameter, buffer, learning rate and loss is the same bit
+    for bit with and without ampguard, under each option that changes what it does, and so is the next random
+    number. ampguard warns of nothing but the one lint that applies."""
+    plain_tensors, plain_lrs, plain_losses, _ = _clean_run(run, guarded=False)
+    tensors, lrs, losses, lints = _clean_run(run, guarded=True)
+    assert lrs == plain_lrs and losses == plain_losses, run
+    assert all(torch.equal(a, b) for a, b in zip(tensors, plain_tensors, strict=True)), run
+    # (the one word ampguard says: a GradScaler on a bf16 autocast loss needs no scaling, once)
+    bf16 = run["scaler"] and run["autocast"] and run["options"].get("lint", True)
+    assert lints == (["ampguard: a GradScaler('cpu')"] if bf16 else []), (run, lints)
