@@ -5,9 +5,12 @@
 - The sinks' shortcuts on the CPU (a few values read as Python floats, small gradients summed a buffer at a time,
   sums instead of norms, a clip's total norm) raise exactly where a value is non-finite, whatever the dtypes, sizes
   and counts, and never for large finite values.
+- A failure names the op, module and line that made the NaN, whatever the model and the loop around it.
+- A run in which nothing goes wrong is bit-identical with and without ampguard.
 """
 
 import contextlib
+import pathlib
 import warnings
 
 import torch
@@ -234,7 +237,7 @@ def gradient_sets(draw):
 def test_the_gradient_sink_raises_exactly_where_a_gradient_is_non_finite(run):
     """Gradients as a backward() makes them (a hook hands each parameter its values), read at a plain optimizer step
     on the CPU, after clip_grad_norm_ where the loop clips (its total norm is the sink then)."""
-    params, grads = [], []
+    params = []
     for i, (dtype, shape) in enumerate(run["tensors"]):
         grad = filled(dtype, shape, run["values"], i)
         if run["poison"] is not None and run["poison"][0] == i:
@@ -242,7 +245,6 @@ def test_the_gradient_sink_raises_exactly_where_a_gradient_is_non_finite(run):
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
         p.register_hook(lambda _, grad=grad: grad.clone())
         params.append(p)
-        grads.append(grad)
     opt = torch.optim.SGD(params, lr=0.0)
     error = None
     try:
@@ -317,7 +319,7 @@ def test_an_inference_output_raises_exactly_where_it_holds_a_nan(run):
 
 
 @st.composite
-def losses(draw):
+def loss_values(draw):
     return {
         "dtype": draw(st.sampled_from(DTYPES)),
         "value": draw(st.sampled_from(["normal", "largest", *POISONS])),
@@ -326,7 +328,7 @@ def losses(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(losses())
+@given(loss_values())
 def test_the_loss_sink_raises_exactly_where_the_loss_is_non_finite(run):
     """A scalar loss read at once on the CPU, a loss of several elements backward() gets a gradient for (read at the
     step while held), and a loss that a GradScaler scales: each of a value, large finite ones included."""
@@ -376,7 +378,7 @@ class _Poison(torch.nn.Module):
 
 
 POISON_LINES = {}  # op -> the line of _Poison.forward that makes its NaN
-for _number, _line in enumerate(open(__file__).read().splitlines(), 1):
+for _number, _line in enumerate(pathlib.Path(__file__).read_text().splitlines(), 1):
     for _op, _text in (("sqrt", "torch.sqrt(-1 - x * x)"), ("log", "torch.log(-1 - x * x)"),
                        ("div", "torch.div(x - x, x - x)")):
         if f"return {_text}" in _line:
@@ -583,5 +585,4 @@ def test_a_run_in_which_nothing_goes_wrong_is_bit_identical_under_ampguard(run):
     assert lrs == plain_lrs and losses == plain_losses, run
     assert all(torch.equal(a, b) for a, b in zip(tensors, plain_tensors, strict=True)), run
     # (the one word ampguard says: a GradScaler on a bf16 autocast loss needs no scaling, once)
-    bf16 = run["scaler"] and run["autocast"] and run["options"].get("lint", True)
-    assert lints == (["ampguard: a GradScaler('cpu')"] if bf16 else []), (run, lints)
+    assert lints == (["ampguard: a GradScaler('cpu')"] if run["scaler"] and run["autocast"] else []), (run, lints)
