@@ -14,6 +14,17 @@ def line_of(func, marker: str) -> int:
     return start + next(i for i, line in enumerate(lines) if marker in line)
 
 
+def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler=None) -> None:
+    """``loss.backward()`` and ``opt.step()``, through ``scaler`` (scale, step, update) where one is given."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 class OutOfMemory(Exception):
     """Stands in for torch.OutOfMemoryError, which a CPU cannot be made to raise on demand."""
 

@@ -10,13 +10,12 @@
 """
 
 import contextlib
-import pathlib
 import warnings
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loops import Overflow, data, model, scaled_loop
+from loops import Overflow, backward_and_step, data, line_of, model, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -345,14 +344,8 @@ def test_the_loss_sink_raises_exactly_where_the_loss_is_non_finite(run):
                 opt.step()
             else:
                 loss = (p * 0).sum().to(dtype) + torch.tensor(value, dtype=dtype)
-                if run["how"] == "GradScaler":
-                    scaler = torch.amp.GradScaler("cpu")  # (a large fp16 loss's scaled gradients overflow: it skips)
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    opt.step()
+                # (under a GradScaler, a large fp16 loss's scaled gradients overflow: it skips the step)
+                backward_and_step(loss, opt, torch.amp.GradScaler("cpu") if run["how"] == "GradScaler" else None)
     except ampguard.NonFiniteError as exc:
         error = exc
     if run["value"] not in POISONS:
@@ -377,12 +370,8 @@ class _Poison(torch.nn.Module):
         return torch.div(x - x, x - x) + x
 
 
-POISON_LINES = {}  # op -> the line of _Poison.forward that makes its NaN
-for _number, _line in enumerate(pathlib.Path(__file__).read_text().splitlines(), 1):
-    for _op, _text in (("sqrt", "torch.sqrt(-1 - x * x)"), ("log", "torch.log(-1 - x * x)"),
-                       ("div", "torch.div(x - x, x - x)")):
-        if f"return {_text}" in _line:
-            POISON_LINES[_op] = _number
+# op -> the line of _Poison.forward that makes its NaN
+POISON_LINES = {op: line_of(_Poison.forward, f"torch.{op}(") for op in ("sqrt", "log", "div")}
 
 
 class _Residual(torch.nn.Module):
@@ -464,14 +453,7 @@ def _train_step(model, opt, x, y, how):
             loss = mse(model(x[2:]), y[2:])
         else:
             loss = mse(model(x).float(), y)
-    if how == "GradScaler":
-        scaler = torch.amp.GradScaler("cpu")
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    else:
-        loss.backward()
-        opt.step()
+    backward_and_step(loss, opt, torch.amp.GradScaler("cpu") if how == "GradScaler" else None)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,7 +3,17 @@ import warnings
 
 import pytest
 import torch
-from loops import Overflow, added_syncs, data, lr, model, one_scaler_two_optimizers, reference_loop, scaled_loop
+from loops import (
+    Overflow,
+    added_syncs,
+    backward_and_step,
+    data,
+    lr,
+    model,
+    one_scaler_two_optimizers,
+    reference_loop,
+    scaled_loop,
+)
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -284,14 +294,7 @@ def test_at_most_one_added_sync_per_iteration(with_scaler, options, added, monke
     # takes, one read of everything, is what is counted here.
     monkeypatch.setattr(_sync, "HOST_READS", False)
     def iteration(m, opt, scaler, sched):
-        loss = m(data(0)[0]).sum()
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        backward_and_step(m(data(0)[0]).sum(), opt, scaler)
         sched.step()
 
     def make():
