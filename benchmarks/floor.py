@@ -185,24 +185,13 @@ def lightning_floor():
     from lightning.pytorch.strategies.strategy import Strategy  # (ampguard wraps each override of the module's
     # training_step as its class is made; the stand-in wraps the one call of it a step, the strategy's)
 
-    original = vars(Strategy)["training_step"]
-    backward = vars(torch.autograd)["backward"]
-    Strategy.training_step = wrapt.FunctionWrapper(original, _training_step)
-    torch.autograd.backward = wrapt.FunctionWrapper(backward, _backward)
     S.loss_at_backward = True
-    handles = [register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_ran),
-               nn_module.register_module_forward_pre_hook(_global_pre)]
-    _global.append(handles[-1])
     try:
-        yield
+        with _patched([(Strategy, "training_step", _training_step), (torch.autograd, "backward", _backward)],
+                      pre_steps=[_pre_step], module_hook=True):
+            yield
     finally:
-        _global.pop()
-        for handle in handles:
-            handle.remove()
-        torch.autograd.backward = backward
-        Strategy.training_step = original
         S.loss_at_backward = False
-        S.window, S.produced = [], {}
 
 
 def _step(wrapped, instance, args, kwargs):
@@ -232,21 +221,31 @@ def _scheduler_step(wrapped, instance, args, kwargs):
 
 @contextlib.contextmanager
 def floor(sinks: bool):
-    """The floor's patches, on for the block; every original back after it."""
-    originals = [(GradScaler, "scale", _scale), (GradScaler, "step", _step), (GradScaler, "update", _update),
-                 (LRScheduler, "step", _scheduler_step), (torch.autograd, "backward", _backward)]
-    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in originals]
+    """The floor's patches, on for the block."""
     S.sinks = sinks
-    for (owner, name, wrapper), (_, _, original) in zip(originals, saved, strict=True):
+    with _patched([(GradScaler, "scale", _scale), (GradScaler, "step", _step), (GradScaler, "update", _update),
+                   (LRScheduler, "step", _scheduler_step), (torch.autograd, "backward", _backward)],
+                  module_hook=sinks):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(wrappers, pre_steps=(), module_hook=False):
+    """Each (owner, name, wrapper) of ``wrappers`` wrapped with wrapt, the optimizer pre-step hooks ``pre_steps`` and
+    the post-step one that sees a step run, and (``module_hook``) the global module pre-hook, on for the block; every
+    original back after it, and the window dropped."""
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in wrappers]
+    for (owner, name, wrapper), (_, _, original) in zip(wrappers, saved, strict=True):
         setattr(owner, name, wrapt.FunctionWrapper(original, wrapper))
-    step_hook = register_optimizer_step_post_hook(_ran)
-    if sinks:
+    handles = [*map(register_optimizer_step_pre_hook, pre_steps), register_optimizer_step_post_hook(_ran)]
+    if module_hook:
         _global.append(nn_module.register_module_forward_pre_hook(_global_pre))
     try:
         yield
     finally:
         _end_tape()
-        step_hook.remove()
+        for handle in handles:
+            handle.remove()
         if _global:
             _global.pop().remove()
         for owner, name, original in saved:
