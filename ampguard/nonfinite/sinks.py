@@ -519,7 +519,12 @@ def weak(value: Any, data: bool) -> Any:
         produced = _here.state.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call; no call for a number)
-            out.append(v if type(v) in _ATOMS else _weak_one(v, data, produced))
+            item = type(v)
+            if item in _ATOMS or (item is _Tensor and data and not produced and v.grad_fn is None and
+                                  not v.requires_grad):
+                out.append(v)  # (a number; data of a window that made nothing yet: see _weak_one, no call)
+            else:
+                out.append(_weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
         for item in value.values():
@@ -735,17 +740,19 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     if g is None or _graph_task_id() != -1 or _in_worker() or t.fetching or t.measuring:
         # a checkpoint's re-run in backward, a DataLoader's fetch (see _in_worker), a module inside a metric
         return outermost.NOT_OUTERMOST
-    what = kind(module)
-    if what == "graph" and _compiled_graph_call(frame):
-        return outermost.NOT_OUTERMOST
-    if what == "wrapper":
-        # DDP/FSDP/Lightning's wrapper, whose module is the outermost user call. DDP that looks for unused
-        # parameters hands that call's outputs back through an identity Function (see _passed_through).
-        if getattr(module, "find_unused_parameters", False) or getattr(module, "static_graph", False):
-            t.passing = True  # until the next backward()
-        return outermost.NOT_OUTERMOST
-    if what == "metric":
-        return outermost.NOT_OUTERMOST  # (see _metric_forward)
+    cls = type(module)
+    what = _kinds[cls] if cls in _kinds else kind(module)  # (kind()'s cache read here: no call for a known class)
+    if what is not None:
+        if what == "graph" and _compiled_graph_call(frame):
+            return outermost.NOT_OUTERMOST
+        if what == "wrapper":
+            # DDP/FSDP/Lightning's wrapper, whose module is the outermost user call. DDP that looks for unused
+            # parameters hands that call's outputs back through an identity Function (see _passed_through).
+            if getattr(module, "find_unused_parameters", False) or getattr(module, "static_graph", False):
+                t.passing = True  # until the next backward()
+            return outermost.NOT_OUTERMOST
+        if what == "metric":
+            return outermost.NOT_OUTERMOST  # (see _metric_forward)
     torch = _torch
     grad = torch.is_grad_enabled()
     # A call without grad inside the loss code (a distillation teacher) pauses the record; any other ends it.
@@ -899,16 +906,24 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         elif t.resume_tape:
             start_tape(g)  # a teacher's call inside the loss code: the loss code goes on
         return
-    leaves = output_leaves(output)
-    outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
-    if outputs and (args or kwargs):
-        outputs = _made_here(outputs, args, kwargs)
     skipped = None
-    for o, _ in outputs:
-        if type(o) is not _Tensor and unreadable(o) is not None:  # (a subclass whose norm torch does not take)
-            skipped = [x for x in outputs if unreadable(x[0]) is not None]
-            outputs = [x for x in outputs if unreadable(x[0]) is None]
-            break
+    if type(output) is _Tensor:
+        # One plain tensor, the usual output: what the general walk below finds, with no call of its own. (With
+        # autograd history, the call made it: _made_here keeps it without a look at the arguments.)
+        leaves = [(output, 0, True)] if floating_tensor(output) else []
+        outputs = [(output, 0)] if leaves and watched(g, output) else []
+        if outputs and output.grad_fn is None and (args or kwargs):
+            outputs = _made_here(outputs, args, kwargs)
+    else:
+        leaves = output_leaves(output)
+        outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
+        if outputs and (args or kwargs):
+            outputs = _made_here(outputs, args, kwargs)
+        for o, _ in outputs:
+            if type(o) is not _Tensor and unreadable(o) is not None:  # (a subclass whose norm torch does not take)
+                skipped = [x for x in outputs if unreadable(x[0]) is not None]
+                outputs = [x for x in outputs if unreadable(x[0]) is None]
+                break
     training = entry[2] and not entry[3]
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
@@ -953,7 +968,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # device the read is that next call's, and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
         call.kwargs = weak(kwargs, True) if kwargs else kwargs
-    known_root(g, module)
+    if id(module) not in g.states[ROOTS]:  # (known_root's test, here: no call for a module named already)
+        known_root(g, module)
     if tape and g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
