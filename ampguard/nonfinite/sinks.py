@@ -1198,13 +1198,18 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
     if not watched(g, loss):
         return
     t = _here.state
-    if t.pending:
+    pending = t.pending
+    if pending:
         # (an output whose status was not taken when made, a grad-enabled call's, is covered by the loss)
-        t.pending = [p for p in t.pending if p.call is None or p.status is not None]
-    ref = weak(loss, False)
+        kept = []
+        for p in pending:  # (a loop, not a comprehension: a call fewer at every step)
+            if p.call is None or p.status is not None:
+                kept.append(p)
+        t.pending = kept
+    ref = _weak_one(loss, False, t.produced)
     t.losses.append(ref)
     if loss.numel() == 1:
-        value = _sync.host_value(loss)
+        value = loss.item() if _sync.HOST_READS and loss.is_cpu else None  # (_sync.host_value, written out)
         if value is not None and math.isfinite(value):
             return  # a finite loss on the CPU, read at once: nothing to check at the step
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
@@ -1510,8 +1515,9 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                 continue
             params.append(p)
             grads.append(grad)
-    if not params or no_data(grads[0]):  # (a step under FakeTensorMode: memory estimation)
-        return
+    first = grads[0] if params else None
+    if first is None or first.is_meta or (type(first) is not _Tensor and no_data(first)):
+        return  # (no gradient; or a step under FakeTensorMode: memory estimation. no_data() written out)
     clip, t.clip = t.clip, None
     if clip is not None and clip[2] == t.backwards and all(id(p) in clip[1] for p in params):
         parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
@@ -1525,7 +1531,9 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
         # judges as it judges a sum's (checked exactly), with no second pass. (A model on a device, its first
         # gradient there, goes to the read at once: no second walk over its gradients.)
         statuses, parts = _gradient_statuses(parts)
-        total = sum(_sync.on_host(statuses), 0.0)
+        total = 0.0
+        for value in statuses:  # (Python floats and CPU sums: _sync.on_host, written out)
+            total += value if type(value) is float else value.item()
         if total - total != 0.0:
             status = total
         elif not parts:
