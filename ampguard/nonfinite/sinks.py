@@ -519,12 +519,7 @@ def weak(value: Any, data: bool) -> Any:
         produced = _here.state.produced
         out = []
         for v in value:  # (a loop, not a comprehension: this runs for every recorded call; no call for a number)
-            item = type(v)
-            if item in _ATOMS or (item is _Tensor and data and not produced and v.grad_fn is None and
-                                  not v.requires_grad):
-                out.append(v)  # (a number; data of a window that made nothing yet: see _weak_one, no call)
-            else:
-                out.append(_weak_one(v, data, produced))
+            out.append(v if type(v) in _ATOMS else _weak_one(v, data, produced))
         return tuple(out) if kind is tuple else out
     if kind is dict:
         for item in value.values():
