@@ -381,6 +381,36 @@ def test_targets_with_missing_labels_that_a_model_hands_back_are_no_sink_in_trai
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
 
 
+class Reshapes(nn.Module):
+    """Hands back its input, or a view of it, as its one tensor output: a flatten or a reshape at a model's entry."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        return x if self.how == "itself" else x.flatten(1) if self.how == "view" else x * 1.0
+
+
+@pytest.mark.parametrize("how", ["itself", "view"])
+def test_one_tensor_output_that_the_call_was_given_is_no_sink(how):
+    """One plain tensor output takes a shorter path than a container's (exit() skips the walk over containers): an
+    inference call that hands back the NaN data it was given, or a view of it, made nothing. Plain PyTorch goes on;
+    so does the guarded loop. A call that makes a new tensor of the same data makes a sink."""
+    data = torch.randn(4, 2, 3)
+    data[1, 0, 2] = float("nan")
+    with ampguard.guard() as g:
+        with torch.no_grad():
+            for _ in range(3):
+                assert Reshapes(how)(data).isnan().any()
+        ampguard.nonfinite.check()
+        assert g.stats.nonfinite_detected == 0
+        with torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+            Reshapes("copy")(data)
+            ampguard.nonfinite.check()
+    assert info.value.sink == "output of module 'Reshapes'", str(info.value)
+
+
 def test_a_prediction_that_nan_data_made_in_an_evaluation_is_still_reported():
     model = HandsBackItsTargets().eval()
     batch = batch_with_missing_labels(0, x_nan=True)
