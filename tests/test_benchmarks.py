@@ -26,6 +26,19 @@ def test_benchmark_runs_and_prints_its_table(python, script, args, last_row):
     assert proc.stdout.strip().splitlines()[-1].strip().startswith(last_row)
 
 
+def test_a_function_is_timed_in_place_against_its_code_at_a_commit(python):
+    """against.py alternates the two versions step by step: each gets half the calls. A function it cannot time is
+    named with the reason, not timed as something else."""
+    script = str(BENCHMARKS / "against.py")
+    proc = python(None, script, "HEAD", "ampguard.nonfinite.sinks:exit", "--steps", "6", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("difference:") and all("(3 calls)" in line for line in lines[1:3]), proc.stdout
+    proc = python(None, script, "HEAD", "ampguard.nonfinite.sinks:no_such_function", timeout=240)
+    assert proc.returncode != 0 and "against.py: no function 'ampguard.nonfinite.sinks:no_such_function'" in \
+        proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_the_overhead_benchmark_refuses_a_workload_it_does_not_have(python):
     """A misspelt --only printed a header and no table, as if the run had measured something."""
     proc = python(None, str(BENCHMARKS / "overhead.py"), "--only", "tiny,wide", timeout=60)
