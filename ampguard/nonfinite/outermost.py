@@ -160,8 +160,10 @@ class _WhileOpen:
         with _lock:
             if generation != H.generation:
                 return
-            self.count = max(self.count - 1, 0)
-            if self.count == 0:
+            if self.count > 1:
+                self.count -= 1
+            else:  # (the last one open; never below 0)
+                self.count = 0
                 self.undo()
 
     def reset(self) -> None:

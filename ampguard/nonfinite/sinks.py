@@ -98,6 +98,7 @@ UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", 
 OVERWRITE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
                        "geometric_", "cauchy_", "log_normal_", "set_"})
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_SYS = vars(sys)  # the sys module's namespace (where a REPL puts last_value), looked up once
 _autocast_devices: tuple = ()  # those this torch build knows, found once when the hooks switch on
 
 
@@ -754,7 +755,7 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     resume = t.taping and not grad
     if t.tape is not None:  # (a call per step saved where no record is on; so at each hook below)
         end_tape(t)
-    shown = id(vars(sys).get("last_value"))  # not getattr: a missing attribute costs an exception, every call
+    shown = id(_SYS.get("last_value"))  # not getattr: a missing attribute costs an exception, every call
     if shown != t.last_shown:  # a REPL or notebook showed an exception (a Ctrl-C): that step is abandoned
         t.last_shown = shown
         drop(g)
@@ -937,11 +938,11 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         t.stepping = True
     pending = t.pending
     keep = False
-    for (o, k), (ref, _) in zip(outputs, call.outputs, strict=True):
+    for (o, k), (ref, _) in zip(outputs, call.outputs):  # noqa: B905 (one each, by _made; strict= is a keyword call)
         if training:
             # A loss usually follows and covers it; if none does, it is read then, if still held. (An output without
             # grad too: a frozen part's features, a statistic. If the loss uses it, the loss is the sink.)
-            pending.append(Pending(g, None, True, [ref], ref, call, key=k))
+            pending.append(Pending(g, None, True, [ref], ref, call, None, None, k))  # (key=k, by position)
         else:
             # No loss can follow (no_grad, inference): the status now, one pass; the output is not held.
             host = type(o) is _Tensor and o.is_cpu and _sync.HOST_READS  # (read now: few values or a sum, below)
@@ -1630,14 +1631,16 @@ def optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _check_step(g: _guard.Guard, optimizer: Any) -> None:
     """The read before a step not driven by a GradScaler; in skip mode, skip the step if it failed."""
     __tracebackhide__ = True
+    if g.options.nonfinite != "skip":
+        check()  # (t.agree is None outside this function's skip-mode read)
+        return
     t = _here.state
-    skip = g.options.nonfinite == "skip"
-    t.agree = _agreeing_group(g) if skip else None
+    t.agree = _agreeing_group(g)
     try:
         check()
     finally:
         t.agree = None
-    if skip and t.poisoned and _guard.current(FEATURE) is g:
+    if t.poisoned and _guard.current(FEATURE) is g:
         _skip(g, optimizer)
 
 
