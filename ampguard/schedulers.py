@@ -220,7 +220,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         else:
             found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
     stats = g.stats
-    for p, found_inf in zip(pending, found, strict=True):
+    for p, found_inf in zip(pending, found):  # noqa: B905 (one each, as made above; strict= is a keyword call)
         optimizer = p.optimizer()
         if optimizer is None:
             continue
