@@ -46,11 +46,18 @@ def host_value(scalar: Any) -> float | None:
     return scalar.item() if HOST_READS and scalar.is_cpu else None
 
 
+_available: list = []  # whether this torch build has torch.distributed, asked once (a property of the build)
+
+
 def process_group() -> Any:
     """torch.distributed where its default process group is up, else None: whether ranks may have to agree (asked at
     every GradScaler update()), and whether a failure path may run a collective."""
     dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    if dist is None:
+        return None
+    if not _available:
+        _available.append(bool(dist.is_available()))
+    return dist if _available[0] and dist.is_initialized() else None
 
 
 def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
