@@ -386,9 +386,9 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     # counted and its scale predicted: update() runs before the error reaches the user (see _scaler_update), and a
     # loop that catches it goes on with the scale, the skip count and the history as the scaler has them.
     failed: list = []
-    if isinstance(new_scale, sys.modules["torch"].Tensor):
+    if new_scale is not None and isinstance(new_scale, sys.modules["torch"].Tensor):
         new_value = _resolve(g, scaler, record, new_scale, failed)
-    else:
+    else:  # (the usual update(), without new_scale: no isinstance)
         _resolve(g, scaler, record, None, failed)
         new_value = None if new_scale is None else float(new_scale)
     record.after = record.next = None  # set again once this update() is done, if it was predicted
@@ -407,7 +407,8 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
         record.skipped_in_run.update(dict.fromkeys(skipped))
     else:
         record.consecutive_skips = 0
-        record.skipped_in_run.clear()
+        if record.skipped_in_run:
+            record.skipped_in_run.clear()
 
     # What update() computes (torch's _amp_update_scale_ kernel, in float32)
     tracker = record.iteration_tracker
@@ -426,7 +427,7 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     record.next = (predicted, tracker)
     if failed:
         raise failed[0]
-    if not math.isfinite(predicted) or predicted < _SMALLEST_NORMAL_FP32:
+    if predicted - predicted != 0.0 or predicted < _SMALLEST_NORMAL_FP32:  # (not finite, or below: no call)
         raise _collapse(g, record, skipped, scale, predicted,
                         f"the loss scale would become {predicted:g}" +
                         (" (set through update(new_scale=...))" if new_value is not None else ""))
