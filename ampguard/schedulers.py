@@ -123,7 +123,7 @@ def _decides_by_running(optimizer: Any) -> bool:
             getattr(optimizer, "_step_supports_amp_scaling", False) or \
             not getattr(type(optimizer).step, "hooked", False):
         return False
-    own = vars(optimizer).get("step")
+    own = optimizer.__dict__.get("step")  # (the isinstance above: an Optimizer has a __dict__)
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
@@ -576,11 +576,11 @@ def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     g = _guard.current(FEATURE)
     if g is None:
         return
+    if DEPTH.counts.get("scaler.step"):  # (first: nonfinite='skip' never skips a step a GradScaler decides)
+        _RAN.optimizer = optimizer  # the scaler let it run; counted at update()
+        return
     if _SKIPPING.optimizer is optimizer:
         _SKIPPING.optimizer = None  # nonfinite='skip' took it: the parameters did not change
-        return
-    if DEPTH.counts.get("scaler.step"):
-        _RAN.optimizer = optimizer  # the scaler let it run; counted at update()
         return
     g.stats.optimizer_steps_applied += 1
     record = g.states[TABLES].optimizers.get(optimizer)
