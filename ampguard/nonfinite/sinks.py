@@ -1310,7 +1310,8 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     t = _here.state
     if g is None or t.replaying:
         return wrapped(*args, **kwargs)
-    known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
+    if id(instance) not in g.states[ROOTS]:  # before: a check inside training_step (manual optimization) names from it
+        known_root(g, instance)
     if g.options.trace != "eager" and getattr(instance, "automatic_optimization", False) is True and \
             getattr(instance, "_trainer", None) is not None:
         result = outermost.run_as_outermost(instance, wrapped, args, kwargs, _enter_training_step,
