@@ -1512,9 +1512,8 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
                 continue
             params.append(p)
             grads.append(grad)
-    first = grads[0] if params else None
-    if first is None or first.is_meta or (type(first) is not _Tensor and no_data(first)):
-        return  # (no gradient; or a step under FakeTensorMode: memory estimation. no_data() written out)
+    if not params or no_data(grads[0]):  # (a step under FakeTensorMode: memory estimation)
+        return
     clip, t.clip = t.clip, None
     if clip is not None and clip[2] == t.backwards and all(id(p) in clip[1] for p in params):
         parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
