@@ -43,7 +43,11 @@ _NAME = "_against_alternate"  # the timer, in the timed function's globals while
 
 def base_code(commit: str, module: Any, qualname: str) -> types.CodeType:
     """The code object of ``qualname`` in ``module``'s source at ``commit``."""
-    path = pathlib.Path(module.__file__).resolve().relative_to(ROOT)
+    try:
+        path = pathlib.Path(module.__file__).resolve().relative_to(ROOT)
+    except ValueError:
+        raise SystemExit(f"against.py: {module.__name__} is imported from {module.__file__}, not from this checkout: "
+                         "install it editable (pip install -e .) to time its code against a commit") from None
     source = subprocess.run(["git", "show", f"{commit}:{path.as_posix()}"], cwd=ROOT, capture_output=True,
                             text=True)
     if source.returncode != 0:
@@ -53,7 +57,9 @@ def base_code(commit: str, module: Any, qualname: str) -> types.CodeType:
         code = pending.pop()
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                if const.co_qualname == qualname:
+                # (Python 3.10 has no co_qualname: there a name matches its last part)
+                if getattr(const, "co_qualname", None) == qualname or \
+                        (not hasattr(const, "co_qualname") and const.co_name == qualname.rpartition(".")[2]):
                     return const
                 pending.append(const)
     raise SystemExit(f"against.py: no function {qualname} in {path} at {commit}")
