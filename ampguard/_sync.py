@@ -35,10 +35,15 @@ def on_host(statuses: list[Any]) -> OnHost | None:
     5-15 us."""
     if not HOST_READS:
         return None
-    for s in statuses:
-        if type(s) is not float and not s.is_cpu:
+    values = OnHost()
+    for s in statuses:  # (one pass, no comprehension: at every step of a CPU loop without a GradScaler)
+        if type(s) is float:
+            values.append(s)
+        elif s.is_cpu:
+            values.append(s.item())  # (a CPU read: nothing is synced, whatever follows)
+        else:
             return None
-    return OnHost([s if type(s) is float else s.item() for s in statuses])
+    return values
 
 
 def host_value(scalar: Any) -> float | None:
