@@ -1205,7 +1205,7 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
     ref = _weak_one(loss, False, t.produced)
     t.losses.append(ref)
     if loss.numel() == 1:
-        value = loss.item() if _sync.HOST_READS and loss.is_cpu else None  # (_sync.host_value, written out)
+        value = _sync.host_value(loss)
         if value is not None and math.isfinite(value):
             return  # a finite loss on the CPU, read at once: nothing to check at the step
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
@@ -1527,9 +1527,7 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
         # judges as it judges a sum's (checked exactly), with no second pass. (A model on a device, its first
         # gradient there, goes to the read at once: no second walk over its gradients.)
         statuses, parts = _gradient_statuses(parts)
-        total = 0.0
-        for value in statuses:  # (Python floats and CPU sums: _sync.on_host, written out)
-            total += value if type(value) is float else value.item()
+        total = sum(_sync.on_host(statuses), 0.0)
         if total - total != 0.0:
             status = total
         elif not parts:
