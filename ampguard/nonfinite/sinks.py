@@ -736,8 +736,7 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     if g is None or _graph_task_id() != -1 or _in_worker() or t.fetching or t.measuring:
         # a checkpoint's re-run in backward, a DataLoader's fetch (see _in_worker), a module inside a metric
         return outermost.NOT_OUTERMOST
-    cls = type(module)
-    what = _kinds[cls] if cls in _kinds else kind(module)  # (kind()'s cache read here: no call for a known class)
+    what = kind(module)
     if what is not None:
         if what == "graph" and _compiled_graph_call(frame):
             return outermost.NOT_OUTERMOST
@@ -964,8 +963,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # device the read is that next call's, and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
         call.kwargs = weak(kwargs, True) if kwargs else kwargs
-    if id(module) not in g.states[ROOTS]:  # (known_root's test, here: no call for a module named already)
-        known_root(g, module)
+    known_root(g, module)
     if tape and g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
     elif t.eager:
@@ -1310,8 +1308,7 @@ def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     t = _here.state
     if g is None or t.replaying:
         return wrapped(*args, **kwargs)
-    if id(instance) not in g.states[ROOTS]:  # before: a check inside training_step (manual optimization) names from it
-        known_root(g, instance)
+    known_root(g, instance)  # before: a check inside training_step (manual optimization) names from it
     if g.options.trace != "eager" and getattr(instance, "automatic_optimization", False) is True and \
             getattr(instance, "_trainer", None) is not None:
         result = outermost.run_as_outermost(instance, wrapped, args, kwargs, _enter_training_step,
