@@ -13,6 +13,7 @@ replay (the failure path) on the GPT-2-style model.
     python benchmarks/overhead.py --only mlp,conv      # the parameter-heavy workloads
     python benchmarks/overhead.py --only scaling       # ms per step against parameters, us per module call and tensor
     python benchmarks/overhead.py --only memory        # peak memory of a step whose logits the user drops
+    python benchmarks/overhead.py --only tiny,lightning --options   # what each feature or option costs a step
 
 Timings use one torch thread on CPU (``--threads``), as the figures in the README do: with
 several, the machine's other load decides more of the spread than ampguard does.
@@ -68,6 +69,20 @@ CONFIGS = {
     "nonfinite='skip'": lambda: installed(nonfinite="skip"),
     "detect_anomaly(check_nan=True)": lambda: torch.autograd.detect_anomaly(check_nan=True),
 }
+# --options: the default with each feature or option switched off alone, and with every feature off (the patches that
+# stay: their wrappers return at once), so that each row's difference from the default is what that one costs a step.
+OPTIONS = {
+    "plain": contextlib.nullcontext,
+    "install() (default)": installed,
+    "lint=False": lambda: installed(lint=False),
+    "schedulers=False": lambda: installed(schedulers=False),
+    "closures=False": lambda: installed(closures=False),
+    "distributed=False": lambda: installed(distributed=False),
+    "trace='off'": lambda: installed(trace="off"),
+    "nonfinite='off'": lambda: installed(nonfinite="off"),
+    "every feature off": lambda: installed(nonfinite="off", lint=False, schedulers=False, closures=False),
+}
+OPTIONS_SHOWN = [False]  # [True] under --options
 # On a GPU: plain with one host-device sync after each step, what ampguard's one read a step costs by itself (the
 # host can no longer run ahead of the GPU), apart from ampguard's own host time. Not a guard: measure() syncs.
 PLAIN_SYNCED = "plain + one sync a step"
@@ -299,12 +314,23 @@ def lightning_fit(log=False, callbacks=()):
 
 
 # -- measuring ----------------------------------------------------------------------------------
+def _order(configs, rep):
+    """The configurations of one rep. Under --options each rep starts one further along, so that no configuration
+    always runs right after plain: in a fixed order, closures=False (which does nothing on the tiny loop) read 4-6 us
+    a step below the default, which ran there."""
+    configs = list(configs)
+    if not OPTIONS_SHOWN[0]:
+        return configs
+    k = rep % len(configs)
+    return configs[k:] + configs[:k]
+
+
 def measure(step, configs, reps, steps):
     times = {name: [] for name in configs}
     for _ in range(3):
         step()
-    for _ in range(reps):
-        for name in configs:
+    for rep in range(reps):
+        for name in _order(configs, rep):
             synced, late = name == PLAIN_SYNCED, name == PLAIN_LATE
             previous = None
             with CONFIGS.get(name, contextlib.nullcontext)():
@@ -328,8 +354,8 @@ def measure(step, configs, reps, steps):
 
 def measure_fit(fit, configs, reps, steps):
     times = {name: [] for name in configs}
-    for _ in range(reps):
-        for name in configs:
+    for rep in range(reps):
+        for name in _order(configs, rep):
             with CONFIGS[name]():
                 fit(12)  # warm this configuration: entering a guard patches classes, which costs the next steps
                 times[name].append(fit(steps))
@@ -342,13 +368,18 @@ def ratios(times, name):
 
 
 def show(title, times):
-    """Median ms/step, and the median of the per-rep ratios to plain with its interquartile range."""
+    """Median ms/step, and the median of the per-rep ratios to plain with its interquartile range; with the default
+    among the configurations and --options, each one's difference from it in microseconds a step (the median of the
+    per-rep differences: the machine's drift between reps cancels)."""
     print(f"\n{title}")
+    default = times.get("install() (default)") if OPTIONS_SHOWN[0] else None
     for name, values in times.items():
         r = ratios(times, name)
         lo, hi = (r[len(r) // 4], r[(3 * len(r)) // 4]) if len(r) >= 4 else (r[0], r[-1])
+        against = "" if default is None else \
+            f"  {statistics.median(t - d for t, d in zip(values, default, strict=True)) * 1e6:+8.1f} us vs default"
         print(f"  {name:34s} {statistics.median(values) * 1e3:9.3f} ms/step {statistics.median(r):7.2f}x"
-              f"  ({lo:.2f}-{hi:.2f})")
+              f"  ({lo:.2f}-{hi:.2f}){against}")
 
 
 def replay_time(step, reps=3):
@@ -474,6 +505,9 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 rep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    parser.add_argument("--options", action="store_true",
+                        help="time the default with each feature or option switched off alone (and all features "
+                             "off) in place of the usual configurations: what each one costs a step")
     args = parser.parse_args()
     only = {w.strip() for w in args.only.split(",") if w.strip()}
     if not only or only - set(WORKLOADS):
@@ -486,6 +520,10 @@ def main() -> None:
     print(f"ampguard {ampguard.__version__}, torch {torch.__version__}, {DEVICE}, {reps} interleaved reps, "
           f"{torch.get_num_threads()} torch thread(s)")
     every = list(CONFIGS) + ([PLAIN_SYNCED] if DEVICE == "cuda" else [])
+    if args.options:
+        OPTIONS_SHOWN[0] = True
+        CONFIGS.update(OPTIONS)
+        every = list(OPTIONS)
     fits = [name for name in every if name != PLAIN_SYNCED]  # (a fit's steps are Lightning's: no sync between them)
     if "tiny" in only:
         show("tiny AMP loop (Linear 32-32-1, GradScaler, LambdaLR)",

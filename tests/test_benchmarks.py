@@ -26,6 +26,19 @@ def test_benchmark_runs_and_prints_its_table(python, script, args, last_row):
     assert proc.stdout.strip().splitlines()[-1].strip().startswith(last_row)
 
 
+def test_the_overhead_benchmark_prices_each_option_against_the_default(python):
+    """--options times the default with each feature or option off alone: every row says how far it is from the
+    default, which reads 0 against itself."""
+    proc = python(None, str(BENCHMARKS / "overhead.py"), "--quick", "--only", "tiny", "--options", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("  ")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    names = ["plain", "install() (default)", "lint=False", "schedulers=False", "closures=False", "distributed=False",
+             "trace='off'", "nonfinite='off'", "every feature off"]
+    assert list(rows) == names, proc.stdout
+    assert all(row.endswith(" us vs default") for row in rows.values()), proc.stdout
+    assert rows["install() (default)"].endswith(" +0.0 us vs default"), proc.stdout
+
+
 def test_a_function_is_timed_in_place_against_its_code_at_a_commit(python):
     """against.py alternates the two versions step by step: each gets half the calls. A function it cannot time is
     named with the reason, not timed as something else."""
