@@ -316,8 +316,9 @@ def lightning_fit(log=False, callbacks=()):
 # -- measuring ----------------------------------------------------------------------------------
 def _order(configs, rep):
     """The configurations of one rep. Under --options each rep starts one further along, so that no configuration
-    always runs right after plain: in a fixed order, closures=False (which does nothing on the tiny loop) read 4-6 us
-    a step below the default, which ran there."""
+    always runs in one place (right after plain): the rows there are differences of a few us, and a place's effect, if
+    any, falls on every one alike. (Measured on the tiny loop, 30 reps each way, the usual configurations read the
+    same within the noise: nonfinite='off' 1.093x in their fixed order, 1.109x rotated.)"""
     configs = list(configs)
     if not OPTIONS_SHOWN[0]:
         return configs
