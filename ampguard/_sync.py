@@ -65,9 +65,20 @@ def process_group() -> Any:
     return dist if _available[0] and dist.is_initialized() else None
 
 
-def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> None:
-    """Join the shared read. A failure in ``collect``/``consume`` switches off ``feature`` only."""
-    _participants.append((feature, collect, consume))
+def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> \
+        Callable[[], None]:
+    """Join the shared read; returns ``leave``. A feature joins while it is on (its switch calls both), so that a
+    read where it is off calls nothing of its (as a wrapper of a feature that is off is not applied). A failure in
+    ``collect``/``consume`` switches off ``feature`` only."""
+    entry = (feature, collect, consume)
+    members = _participants
+
+    def leave() -> None:  # idempotent; from the list it joined, even where a test has put another in its place
+        if entry in members:
+            members.remove(entry)
+
+    members.append(entry)
+    return leave
 
 
 def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], None]]:

@@ -104,15 +104,19 @@ def test_uninstall_restores_the_exact_objects():
 def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_restores_it_all():
     """install(nonfinite="off", lint=False) leaves GradScaler.scale and autograd.backward unwrapped (a wrapped call
     costs wrapt's binding even when the wrapper returns at once: backward's thread-owner wrapper is a guard() block's
-    alone); a guard() with the features on wraps them for its block, and they keep working; uninstall() restores
-    every original."""
+    alone), and the shared read calls nothing of the non-finite checks'; a guard() with the features on wraps them
+    for its block, and they keep working; uninstall() restores every original."""
     import torch
     from loops import data, model
     from torch.amp.autocast_mode import autocast
     from torch.amp.grad_scaler import GradScaler
 
+    from ampguard import _sync
     from ampguard._guard import _backward_owner
     from ampguard.nonfinite.sinks import _backward
+
+    def reading():  # the features whose checks ride on the shared read
+        return [feature for feature, _, _ in _sync._participants]
 
     originals = {(GradScaler, "scale"): vars(GradScaler)["scale"], (autocast, "__enter__"): vars(autocast)["__enter__"],
                  (GradScaler, "update"): vars(GradScaler)["update"]}
@@ -122,6 +126,7 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
     assert vars(autocast)["__enter__"] is originals[(autocast, "__enter__")]
     assert vars(GradScaler)["update"].__wrapped__ is originals[(GradScaler, "update")]  # schedulers: on
     assert torch.autograd.backward is backward  # neither the sink's wrapper nor a block's (threads): no block is open
+    assert reading() == []
 
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -131,6 +136,7 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
         outer = torch.autograd.backward
         assert outer.__wrapped__.__wrapped__ is backward
         assert {outer._self_wrapper, outer.__wrapped__._self_wrapper} == {_backward_owner, _backward}  # (either order)
+        assert reading() == ["nonfinite"]
         head = m(data(0)[0])
         with pytest.raises(ampguard.NonFiniteError, match="loss"):
             scaler.scale(torch.log(head.sum() * 0 - 1)).backward()  # NaN loss: the sink's wrapper is live
@@ -148,10 +154,12 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # still scaled: the lint, now wrapped, warns
     assert [w for w in caught if "was called on gradients that a GradScaler has scaled" in str(w.message)]
     assert vars(GradScaler)["scale"] is not originals[(GradScaler, "scale")]  # applied, kept while installed
+    assert reading() == []  # (the block with the checks on is gone)
     ampguard.uninstall()
     for (cls, name), original in originals.items():
         assert vars(cls)[name] is original
     assert torch.autograd.backward is backward
+    assert reading() == []
 
 
 def test_classes_defined_while_installed_are_restored_too():

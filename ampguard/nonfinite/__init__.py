@@ -21,6 +21,7 @@ import contextlib
 import warnings
 from typing import Any
 
+from .. import _sync
 from .._fallback import internal_failure
 from .._patching import REGISTRY, Switch, Target, wrap_on_class
 from . import failure, outermost, report, sinks
@@ -52,12 +53,15 @@ def _switch_hooks() -> Any:
     handles: list = []
     modules_off: Any = None
     ignore: Any = None
+    leave: Any = None
 
     def off() -> None:  # idempotent: an interrupted uninstall runs it again
         for h in handles:
             h.remove()
         if modules_off is not None:
             modules_off()
+        if leave is not None:
+            leave()  # (after a guard's exit or uninstall() read what was pending: switches go off after that)
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
         if ignore is not None:
@@ -66,6 +70,7 @@ def _switch_hooks() -> Any:
                 warnings._filters_mutated()
 
     try:  # an interrupt anywhere here undoes what was done (the registry never saw this switch on)
+        leave = _sync.participate(FEATURE, sinks._collect, sinks._consume)  # the shared read, while the feature is on
         modules_off = outermost.switch_on(sinks.enter, sinks.exit, sinks.nested, sinks.nested_end)
         handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
         handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))

@@ -1940,8 +1940,6 @@ def _clear_window() -> None:
     t.transformed = False
 
 
-_sync.participate(FEATURE, _collect, _consume)
-
 
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
