@@ -1940,7 +1940,6 @@ def _clear_window() -> None:
     t.transformed = False
 
 
-
 def check() -> None:
     """Read every pending sink now (one sync, shared with anything else waiting)."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
