@@ -902,15 +902,14 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             start_tape(g)  # a teacher's call inside the loss code: the loss code goes on
         return
     skipped = None
+    leaves = output_leaves(output)
     if type(output) is _Tensor:
-        # One plain tensor, the usual output: what the general walk below finds, with no call of its own. (With
-        # autograd history, the call made it: _made_here keeps it without a look at the arguments.)
-        leaves = [(output, 0, True)] if floating_tensor(output) else []
+        # One plain tensor, the usual output: its one leaf is a sink, and no subclass is there to judge. (With autograd
+        # history, the call made it: _made_here keeps it without a look at the arguments.)
         outputs = [(output, 0)] if leaves and watched(g, output) else []
         if outputs and output.grad_fn is None and (args or kwargs):
             outputs = _made_here(outputs, args, kwargs)
     else:
-        leaves = output_leaves(output)
         outputs = [(o, k) for o, k, sink in leaves if sink and watched(g, o)]
         if outputs and (args or kwargs):
             outputs = _made_here(outputs, args, kwargs)
