@@ -72,17 +72,21 @@ CONFIGS = {
 # --options: the default with each feature or option switched off alone, and with every feature off (the patches that
 # stay: their wrappers return at once), so that each row's difference from the default is what that one costs a step.
 OPTIONS = {
-    "plain": contextlib.nullcontext,
-    "install() (default)": installed,
+    "plain": CONFIGS["plain"],
+    "install() (default)": CONFIGS["install() (default)"],
     "lint=False": lambda: installed(lint=False),
     "schedulers=False": lambda: installed(schedulers=False),
     "closures=False": lambda: installed(closures=False),
     "distributed=False": lambda: installed(distributed=False),
-    "trace='off'": lambda: installed(trace="off"),
-    "nonfinite='off'": lambda: installed(nonfinite="off"),
+    "trace='off'": CONFIGS["trace='off' (sinks only)"],
+    "nonfinite='off'": CONFIGS["nonfinite='off'"],
     "every feature off": lambda: installed(nonfinite="off", lint=False, schedulers=False, closures=False),
 }
-OPTIONS_SHOWN = [False]  # [True] under --options
+
+
+def _options_run(names) -> bool:
+    """Whether ``names`` are --options' configurations (rotated, and shown against the default)."""
+    return set(names) == set(OPTIONS)
 # On a GPU: plain with one host-device sync after each step, what ampguard's one read a step costs by itself (the
 # host can no longer run ahead of the GPU), apart from ampguard's own host time. Not a guard: measure() syncs.
 PLAIN_SYNCED = "plain + one sync a step"
@@ -320,7 +324,7 @@ def _order(configs, rep):
     any, falls on every one alike. (Measured on the tiny loop, 30 reps each way, the usual configurations read the
     same within the noise: nonfinite='off' 1.093x in their fixed order, 1.109x rotated.)"""
     configs = list(configs)
-    if not OPTIONS_SHOWN[0]:
+    if not _options_run(configs):
         return configs
     k = rep % len(configs)
     return configs[k:] + configs[:k]
@@ -369,11 +373,11 @@ def ratios(times, name):
 
 
 def show(title, times):
-    """Median ms/step, and the median of the per-rep ratios to plain with its interquartile range; with the default
-    among the configurations and --options, each one's difference from it in microseconds a step (the median of the
-    per-rep differences: the machine's drift between reps cancels)."""
+    """Median ms/step, and the median of the per-rep ratios to plain with its interquartile range; for --options'
+    configurations, each one's difference from the default in microseconds a step (the median of the per-rep
+    differences: the machine's drift between reps cancels)."""
     print(f"\n{title}")
-    default = times.get("install() (default)") if OPTIONS_SHOWN[0] else None
+    default = times["install() (default)"] if _options_run(times) else None
     for name, values in times.items():
         r = ratios(times, name)
         lo, hi = (r[len(r) // 4], r[(3 * len(r)) // 4]) if len(r) >= 4 else (r[0], r[-1])
@@ -522,7 +526,6 @@ def main() -> None:
           f"{torch.get_num_threads()} torch thread(s)")
     every = list(CONFIGS) + ([PLAIN_SYNCED] if DEVICE == "cuda" else [])
     if args.options:
-        OPTIONS_SHOWN[0] = True
         CONFIGS.update(OPTIONS)
         every = list(OPTIONS)
     fits = [name for name in every if name != PLAIN_SYNCED]  # (a fit's steps are Lightning's: no sync between them)
