@@ -14,8 +14,9 @@ from typing import Any
 from ._errors import AmpGuardError, AmpGuardWarning
 from ._fallback import internal_failure
 
-# (feature, collect, consume): collect() -> tensors waiting for a read (or OnHost values); consume(values) judges them
-_participants: list[tuple[str, Callable[[], list], Callable[[list[float]], None]]] = []
+# (feature, collect, consume, total): collect() -> tensors waiting for a read (or OnHost values); consume(values) judges
+# them; total(collected) -> a 0-dim tensor or a float, not finite where the checks may fail (or None: no total)
+_participants: list[tuple[str, Callable[[], list], Callable[[list[float]], None], Any]] = []
 
 
 class OnHost(list):
@@ -65,12 +66,12 @@ def process_group() -> Any:
     return dist if _available[0] and dist.is_initialized() else None
 
 
-def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None]) -> \
-        Callable[[], None]:
+def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None],
+                total: Callable[[Any], Any] | None = None) -> Callable[[], None]:
     """Join the shared read; returns ``leave``. A feature joins while it is on (its switch calls both), so that a
     read where it is off calls nothing of its (as a wrapper of a feature that is off is not applied). A failure in
     ``collect``/``consume`` switches off ``feature`` only."""
-    entry = (feature, collect, consume)
+    entry = (feature, collect, consume, total)
     members = _participants
 
     def leave() -> None:  # idempotent; from the list it joined, even where a test has put another in its place
@@ -81,26 +82,27 @@ def participate(feature: str, collect: Callable[[], list], consume: Callable[[li
     return leave
 
 
-def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], None]]:
-    """Read ``own`` and every participant's waiting tensors in one transfer (a participant's
-    :class:`OnHost` values, read from CPU tensors, are handed back as they are).
-
-    Returns the values of ``own`` (every element of each tensor, in order) and ``settle``, which
-    hands each participant its values. ``settle`` may raise an intended error (NonFiniteError),
-    so call it once the caller's own bookkeeping is done.
-    """
-    parts = list(own)
-    n_own = 0
-    for t in parts:
-        n_own += t.numel()
-    shares = []
-    offset = n_own
-    for feature, collect, consume in _participants:
+def gather(flags: bool = False) -> tuple[list, list, list]:
+    """Collect every participant's waiting tensors for a read: (the tensors to read after the caller's own, each
+    participant's share of them as (feature, consume, offset from the first or -1 for OnHost, n or the values), and,
+    with ``flags``, each participant's total). A total is not finite where that participant's checks may fail:
+    ranks that must decide together all-reduce it before the read (schedulers._all_ranks_skips), in the same
+    collective as their found_inf."""
+    parts: list = []
+    shares: list = []
+    totals: list = []
+    offset = 0
+    for feature, collect, consume, total in _participants:
         try:
             tensors = collect()
         except Exception as exc:
             internal_failure(feature, exc)
             continue
+        if flags and total is not None and (tensors or type(tensors) is OnHost):
+            try:
+                totals.append(total(tensors))
+            except Exception as exc:
+                internal_failure(feature, exc)
         if type(tensors) is OnHost:  # (even empty: the participant's consume() ends its step)
             shares.append((feature, consume, -1, tensors))
         elif tensors:
@@ -110,6 +112,24 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
             shares.append((feature, consume, offset, n))
             offset += n
             parts.extend(tensors)
+    return parts, shares, totals
+
+
+def read(own: list[Any], device: Any = None, gathered: tuple[list, list, list] | None = None) -> \
+        tuple[list[float], Callable[[], None]]:
+    """Read ``own`` and every participant's waiting tensors (``gathered``, or gathered now) in one transfer (a
+    participant's :class:`OnHost` values, read from CPU tensors, are handed back as they are).
+
+    Returns the values of ``own`` (every element of each tensor, in order) and ``settle``, which
+    hands each participant its values. ``settle`` may raise an intended error (NonFiniteError),
+    so call it once the caller's own bookkeeping is done.
+    """
+    theirs, shares, _ = gather() if gathered is None else gathered
+    parts = list(own)
+    n_own = 0
+    for t in parts:
+        n_own += t.numel()
+    parts.extend(theirs)
     if not parts and not shares:
         return [], _nothing
     values: list = []
@@ -129,7 +149,7 @@ def read(own: list[Any], device: Any = None) -> tuple[list[float], Callable[[], 
         __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
         for feature, consume, start, n in shares:
             try:
-                consume(values[start:start + n] if start >= 0 else n)  # (n: the values an OnHost share read)
+                consume(values[n_own + start:n_own + start + n] if start >= 0 else n)  # (n: an OnHost share's values)
             except (AmpGuardError, AmpGuardWarning):
                 raise
             except Exception as exc:

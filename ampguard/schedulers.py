@@ -29,7 +29,7 @@ from collections import deque
 from typing import Any
 
 from . import _guard, _sync
-from ._errors import AmpGuardError, LossScaleCollapseError, NonFiniteError
+from ._errors import AmpGuardError, AmpGuardWarning, LossScaleCollapseError, NonFiniteError
 from ._fallback import fail_safe, internal_failure
 from ._frames import warn_at_user
 from ._guard import DEPTH, Guard
@@ -203,22 +203,27 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         values, i = record.next, 0
     else:
         scale = scaler._scale
+        gathered = None
         if ranks is None:
             own = [t for p in pending for t in p.found_inf]
         else:
-            own = [_all_ranks_skips(ranks, pending, scale.device)]
+            gathered = _sync.gather(flags=True)  # the other features' checks: their totals join the all-reduce
+            own = [_all_ranks_skips(ranks, pending, scale.device, gathered[2])]
         own.append(scale)
         own.append(scaler._growth_tracker)  # with the scale: the scale after update() follows without a read
         if extra is not None:
             own.append(extra.detach().to(device=scale.device, dtype=scale.dtype).reshape(()))
-        values, settle = _sync.read(own, scale.device)  # the one host-device sync of this iteration
+        values, settle = _sync.read(own, scale.device, gathered)  # the one host-device sync of this iteration
         if ranks is None:
             found, i = [], 0
             for p in pending:
                 found.append(sum(values[i:i + len(p.found_inf)]))
                 i += len(p.found_inf)
         else:
-            found, i = _agreed_skips(g, ranks, pending, values), ranks.world * len(pending)
+            found, i = _agreed_skips(g, ranks, pending, values), ranks.world * (len(pending) + 1)
+            failing = _checks_that_may_fail(ranks, len(pending), values)
+            if failing:  # (the failure path: known alike on every rank, from the all-reduced table)
+                settle = _settled_together(ranks, settle, any(found))
     stats = g.stats
     for p, found_inf in zip(pending, found):  # noqa: B905 (one each, as made above; strict= is a keyword call)
         optimizer = p.optimizer()
@@ -332,18 +337,34 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
     return ok
 
 
-def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any) -> Any:
-    """A (world, optimizers) tensor of every rank's found_inf sums: one tiny all-reduce, no host sync."""
+def _collective_device(ranks: _Ranks, device: Any) -> Any:
+    torch = sys.modules["torch"]
+    if device.type == "cpu" and "nccl" in str(ranks.dist.get_backend(ranks.group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    return device
+
+
+def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any, totals: list) -> Any:
+    """A (world, optimizers + 1) tensor: every rank's found_inf sums, and the total of its other checks that ride on
+    this read (not finite where one may fail: see _sync.gather). One tiny all-reduce, no host sync."""
     import torch
 
-    if device.type == "cpu" and "nccl" in str(ranks.dist.get_backend(ranks.group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    device = _collective_device(ranks, device)
     zero = torch.zeros((), device=device)
     mine = [sum((t.to(device).reshape(()) for t in p.found_inf), zero) for p in pending]
-    table = torch.zeros(ranks.world, len(pending), device=device)
+    checks = zero
+    for total in totals:
+        checks = checks + (total.to(device=device, dtype=zero.dtype) if isinstance(total, torch.Tensor) else total)
+    mine.append(checks)
+    table = torch.zeros(ranks.world, len(pending) + 1, device=device)
     table[ranks.rank] = torch.stack(mine)
     ranks.dist.all_reduce(table, group=ranks.group)  # every rank's row lands everywhere
     return table
+
+
+def _checks_that_may_fail(ranks: _Ranks, n: int, values: list[float]) -> list[int]:
+    """The ranks whose checks' total (the table's last column) is not finite."""
+    return [r for r in range(ranks.world) if values[r * (n + 1) + n] - values[r * (n + 1) + n] != 0.0]
 
 
 def _agreed_skips(g: Guard, ranks: _Ranks, pending: list[_PendingStep], values: list[float]) -> list[float]:
@@ -351,7 +372,7 @@ def _agreed_skips(g: Guard, ranks: _Ranks, pending: list[_PendingStep], values: 
     n = len(pending)
     found = []
     for j, p in enumerate(pending):
-        per_rank = [values[r * n + j] for r in range(ranks.world)]
+        per_rank = [values[r * (n + 1) + j] for r in range(ranks.world)]
         skipped = [r for r, v in enumerate(per_rank) if v != 0]
         if skipped and len(skipped) < ranks.world:
             applied = [r for r, v in enumerate(per_rank) if v == 0]
@@ -360,12 +381,97 @@ def _agreed_skips(g: Guard, ranks: _Ranks, pending: list[_PendingStep], values: 
     return found
 
 
+def _global_ranks(ranks: _Ranks, of_group: list[int]) -> list[int]:
+    """The global ranks, the ones users see in their logs, of ranks in the scaler's group."""
+    if ranks.group is None:
+        return of_group
+    members = ranks.dist.get_process_group_ranks(ranks.group)
+    return [members[r] for r in of_group]
+
+
+_KINDS = ("nan", "inf", "-inf")
+_rounds: dict[tuple, int] = {}  # per process group: failure-path agreements so far (alike on every rank)
+
+
+def _settled_together(ranks: _Ranks, settle: Any, skipped: bool) -> Any:
+    """``settle``, after which every rank of the group knows whether any rank's checks failed, and raises if one did.
+
+    A rank whose loss or output is non-finite raises its NonFiniteError at this update(). Alone, it would stop while
+    the others went on into the next forward's or backward's collective and waited there for it: until the launcher
+    killed them, or for the collective's timeout. Some rank's checks' total was not finite (the table says which, on
+    every rank alike), so every rank judges its own checks exactly and then all-reduces its verdict: the failure
+    path's one more collective. A rank whose checks were finite raises too, quoting the failed rank's message."""
+
+    def settle_together() -> None:
+        __tracebackhide__ = True
+        mine: BaseException | None = None
+        try:
+            settle()
+        except (AmpGuardError, AmpGuardWarning) as intended:
+            mine = intended
+        failed = _verdicts(ranks, mine)
+        if mine is not None:
+            raise mine
+        if failed:
+            raise _failed_elsewhere(ranks, failed, skipped)
+
+    return settle_together
+
+
+def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
+    """Every rank's verdict (one more all-reduce): {global rank: what its error says of itself} for those that
+    raise. The words go through the process group's store, the verdicts through the collective."""
+    import json
+
+    import torch
+
+    dist = ranks.dist
+    key = (id(dist.distributed_c10d._get_default_group()), id(ranks.group))
+    _rounds[key] = round_ = _rounds.get(key, 0) + 1
+    prefix = f"ampguard/failed/{'-'.join(map(str, _global_ranks(ranks, list(range(ranks.world)))[:64]))}/{round_}/"
+    if mine is not None:
+        try:
+            dist.distributed_c10d._get_default_store().set(prefix + str(ranks.rank), json.dumps(
+                {"headline": str(mine).split("\n", 1)[0], "kind": getattr(mine, "kind", None),
+                 "sink": getattr(mine, "sink", None)}))
+        except Exception:  # (no store: the other ranks' messages say less)
+            pass
+    flags = torch.zeros(ranks.world, device=_collective_device(ranks, torch.device("cpu")))
+    if mine is not None:
+        flags[ranks.rank] = 1.0
+    dist.all_reduce(flags, group=ranks.group)
+    failed = {}
+    for r, flag in enumerate(flags.tolist()):
+        if flag and r != ranks.rank:
+            try:
+                said = json.loads(dist.distributed_c10d._get_default_store().get(prefix + str(r)))
+            except Exception:
+                said = {}
+            failed[_global_ranks(ranks, [r])[0]] = said
+    return failed
+
+
+def _failed_elsewhere(ranks: _Ranks, failed: dict[int, dict], skipped: bool) -> NonFiniteError:
+    first, said = next(iter(failed.items()))
+    which = f"rank {first}" if len(failed) == 1 else "ranks " + ", ".join(map(str, failed))
+    lines = [f"ampguard: {which} stopped at this GradScaler.update() on a non-finite value. This rank's own checks "
+             "were finite; it stops with them."]
+    for rank, words in failed.items():
+        if words.get("headline"):
+            lines.append(f"  rank {rank}: {words['headline']}")
+    lines.append(f"  {which}'s own message names the op and the line. Every rank raises here together, so that "
+                 "none waits in a collective for a rank that has stopped.")
+    lines.append("  This rank's GradScaler skipped the optimizer step (the parameters are unchanged): DDP and FSDP "
+                 "reduce the gradients, so the non-finite gradients reached this rank too." if skipped else
+                 "  Every rank's GradScaler applied its optimizer step: no gradient was non-finite.")
+    kind = said.get("kind") if said.get("kind") in _KINDS else "nan"
+    return NonFiniteError("\n".join(lines), kind=kind, sink=f"{said.get('sink') or 'a check'} on rank {first}")
+
+
 def _disagreement(g: Guard, ranks: _Ranks, p: _PendingStep, skipped: list[int], applied: list[int]) -> AmpGuardError:
     optimizer = p.optimizer()
     name = g.name_of(optimizer) if optimizer is not None else "an optimizer"
-    if ranks.group is not None:  # name global ranks, the ones users see in their logs
-        members = ranks.dist.get_process_group_ranks(ranks.group)
-        skipped, applied = [members[r] for r in skipped], [members[r] for r in applied]
+    skipped, applied = _global_ranks(ranks, skipped), _global_ranks(ranks, applied)
     return AmpGuardError(
         f"ampguard: the ranks disagree on GradScaler's skip decision for {name}: rank(s) {skipped} skipped the step "
         f"(inf/NaN gradients) while rank(s) {applied} applied it.\n"

@@ -152,6 +152,69 @@ def ddp_unused_nan_origin(rank):
         return {"op": err.op, "module": err.module, "kind": err.kind, "sink": err.sink}
 
 
+def nan_loss_on_one_rank(rank, scaler, micro_batches):
+    """Rank 1's batch at iteration 2 holds a NaN (its loss is NaN); rank 0's data is clean. DDP, an AdamW, fp16
+    autocast with a GradScaler (or bf16 without one), ``micro_batches`` per step, the first under no_sync().
+
+    Also counts ampguard's collectives (torch.distributed.all_reduce: DDP's own reducer does not call it) per
+    iteration, and runs the same loop clean, plain and guarded."""
+    import contextlib
+
+    import ampguard
+
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[-1] += 1
+        return real(*args, **kwargs)
+
+    def loop(poison):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+        amp = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaler)
+        calls.clear()
+        for i in range(4):
+            calls.append(0)
+            for micro in range(micro_batches):
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * rank + 10 * i + micro))
+                y = x.sum(1, keepdim=True)
+                if poison and rank == 1 and i == 2 and micro == 0:
+                    x[3, 5] = float("nan")  # a corrupt sample
+                ctx = model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
+                try:
+                    with ctx:
+                        with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16):
+                            loss = torch.nn.functional.mse_loss(model(x).float(), y) / micro_batches
+                        amp.scale(loss).backward()
+                except ampguard.NonFiniteError as err:
+                    return {"iteration": i, "at": f"micro-batch {micro}", "sink": err.sink, "kind": err.kind,
+                            "message": str(err), "calls": list(calls)}
+            try:
+                amp.step(opt)
+                amp.update()
+            except ampguard.NonFiniteError as err:
+                return {"iteration": i, "at": "update" if scaler else "step", "sink": err.sink, "kind": err.kind,
+                        "message": str(err), "calls": list(calls)}
+            sched.step()
+            opt.zero_grad()
+        return {"weight": net[0].weight.detach().tolist(), "lr": opt.param_groups[0]["lr"], "calls": list(calls)}
+
+    plain = loop(False)
+    dist.all_reduce = counted
+    try:
+        with ampguard.guard():
+            clean = loop(False)
+        with ampguard.guard():
+            poisoned = loop(True)
+    finally:
+        dist.all_reduce = real
+    return {"plain": plain, "clean": clean, "poisoned": poisoned}
+
+
 def one_rank_unguarded(rank):
     """Rank 1 runs without ampguard (a launcher that did not pass AMPGUARD=1 on): rank 0 must not wait forever
     in an all-reduce rank 1 never makes; it says so once and decides alone."""
@@ -303,6 +366,9 @@ def collective_in_backward(rank):
 SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_backward": collective_in_backward,
              "ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
              "ddp_unused_nan_origin": ddp_unused_nan_origin,
+             "nan_loss_scaler": lambda rank: nan_loss_on_one_rank(rank, True, 1),
+             "nan_loss_scaler_accumulating": lambda rank: nan_loss_on_one_rank(rank, True, 2),
+             "nan_loss_accumulating": lambda rank: nan_loss_on_one_rank(rank, False, 2),
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),
              "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1")}

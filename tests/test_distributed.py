@@ -66,6 +66,37 @@ def test_nan_inside_a_ddp_model_names_the_op_and_the_module_on_every_rank(python
     assert r0["ops"][0] == "Sequential"  # the wrapped module is the call replayed, never DDP
 
 
+@pytest.mark.parametrize("scenario", ["nan_loss_scaler", "nan_loss_scaler_accumulating", "nan_loss_accumulating"])
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_read_and_none_waits(python, scenario):
+    """A corrupt sample on rank 1 only. Before, rank 1 raised alone (at update(), or at its next micro-batch's call)
+    while rank 0 went on into the next all-reduce and waited for it (here: crashed as rank 1 exited)."""
+    r0, r1 = run_ranks(python, scenario)  # no crash, within run_ranks' 120 s
+    for r in (r0, r1):
+        assert r["plain"]["weight"] == r["clean"]["weight"] and r["plain"]["lr"] == r["clean"]["lr"]
+    p0, p1 = r0["poisoned"], r1["poisoned"]
+    at = "step" if scenario == "nan_loss_accumulating" else "update"
+    assert (p0["iteration"], p0["at"]) == (p1["iteration"], p1["at"]) == (2, at)
+    assert p1["sink"] == "loss" and p1["kind"] == "nan"
+    if scenario == "nan_loss_scaler":
+        assert "It entered already non-finite (NaN): argument 0 of the call of 'Sequential'" in p1["message"]
+    else:  # an earlier micro-batch, read with the others at the step: its data is the user's to keep
+        assert "an earlier micro-batch of a step that accumulates gradients" in p1["message"]
+        assert "in a distributed run, where every rank decides together" in p1["message"]
+    if at == "update":
+        assert p0["sink"] == "loss on rank 1" and p0["kind"] == "nan"
+        assert p0["message"].startswith("ampguard: rank 1 stopped at this GradScaler.update() on a non-finite value.")
+        assert "\n  rank 1: ampguard: NaN reached the loss.\n" in p0["message"]
+        assert "This rank's GradScaler skipped the optimizer step" in p0["message"]
+        # ampguard's collectives: one a clean update() (found_inf and the checks' totals in one table), and one
+        # more on the failure path, where the ranks exchange their verdicts
+        assert r0["clean"]["calls"] == r1["clean"]["calls"] == [1, 1, 1, 1]
+        assert p0["calls"] == p1["calls"] == [1, 1, 2]
+    else:  # no GradScaler: DDP reduced rank 1's NaN gradients into rank 0's, which its own step's check reads
+        assert p0["sink"] == "gradient of parameter '0.weight'"
+        assert "another rank's non-finite gradients reach this rank's too" in p0["message"]
+        assert r0["clean"]["calls"] == [0, 0, 0, 0]
+
+
 def test_nan_inside_a_ddp_model_that_looks_for_unused_parameters_names_the_op(python):
     r0, r1 = run_ranks(python, "ddp_unused_nan_origin")
     assert r0 == r1

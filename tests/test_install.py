@@ -116,7 +116,7 @@ def test_a_feature_no_guard_has_on_wraps_nothing_until_one_does_and_uninstall_re
     from ampguard.nonfinite.sinks import _backward
 
     def reading():  # the features whose checks ride on the shared read
-        return [feature for feature, _, _ in _sync._participants]
+        return [feature for feature, *_ in _sync._participants]
 
     originals = {(GradScaler, "scale"): vars(GradScaler)["scale"], (autocast, "__enter__"): vars(autocast)["__enter__"],
                  (GradScaler, "update"): vars(GradScaler)["update"]}

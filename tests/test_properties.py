@@ -171,9 +171,9 @@ def test_a_clean_non_fused_step_reads_nothing_of_the_scalers():
     reads = []
     original = _sync.read
 
-    def spy(own, device=None):
+    def spy(own, device=None, gathered=None):
         reads.append(len(own))
-        return original(own, device)
+        return original(own, device, gathered)
 
     with ampguard.guard(nonfinite="off") as g:
         _sync.read = spy

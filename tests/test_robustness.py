@@ -80,8 +80,8 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
     if target == "ampguard._sync.read":
         monkeypatch.setattr(_sync, "HOST_READS", False)
     if target == "ampguard.nonfinite.sinks._consume":  # the shared read holds its own reference
-        monkeypatch.setattr(_sync, "_participants", [(f, c, raise_injected if f == "nonfinite" else s)
-                                                     for f, c, s in _sync._participants])
+        monkeypatch.setattr(_sync, "_participants", [(f, c, raise_injected if f == "nonfinite" else s, total)
+                                                     for f, c, s, total in _sync._participants])
     with caplog.at_level(logging.ERROR, logger="ampguard"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lrs, params = amp_loop()

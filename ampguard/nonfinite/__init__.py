@@ -70,7 +70,8 @@ def _switch_hooks() -> Any:
                 warnings._filters_mutated()
 
     try:  # an interrupt anywhere here undoes what was done (the registry never saw this switch on)
-        leave = _sync.participate(FEATURE, sinks._collect, sinks._consume)  # the shared read, while the feature is on
+        # the shared read, while the feature is on
+        leave = _sync.participate(FEATURE, sinks._collect, sinks._consume, sinks._total)
         modules_off = outermost.switch_on(sinks.enter, sinks.exit, sinks.nested, sinks.nested_end)
         handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
         handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))

@@ -395,7 +395,8 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
                             f"({session.unreplayed[value.event]})")
             if value.event == sinks.RELEASED:
                 freed = Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
-                              "accumulates gradients, whose checks a device reads together at the step (one sync)")
+                              "accumulates gradients, whose checks are read together at the step (on a device, in one "
+                              "sync; in a distributed run, where every rank decides together)")
                 freed.advice = ("to have it replayed, keep the micro-batches referenced until the step, or run "
                                 "without accumulation (accumulate_grad_batches=1) while you look for it")
                 raise freed

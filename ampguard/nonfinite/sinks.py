@@ -760,8 +760,11 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
         if t.backward_since_read and grad and module.training and not _new_batch(t, module, grad) and \
-                _on_a_device(t.pending) and not _gradients_set_to_none(t.window):
-            _next_micro_batch(t)  # gradient accumulation on a device: read at the step, one sync for all
+                (_on_a_device(t.pending) or _distributed(g)) and not _gradients_set_to_none(t.window):
+            # gradient accumulation on a device: read at the step, one sync for all. In a distributed run too: there
+            # every rank reads together, where one that stopped here alone would leave the others waiting in the
+            # backward's all-reduce
+            _next_micro_batch(t)
         else:
             t.late = True
             try:
@@ -790,6 +793,11 @@ def _compiled_graph_call(frame: Any) -> bool:
     them as modules) called from torch's frames alone. It is not a user's call, and cannot be replayed: its
     inputs are a list that the runtime empties as it goes. A GraphModule the user's code calls is a user call."""
     return first_user(frame, 8) is None  # (the module is a GraphModule: see kind())
+
+
+def _distributed(g: _guard.Guard) -> bool:
+    dist = schedulers._process_group(g)
+    return dist is not None and dist.get_world_size() > 1
 
 
 def _on_a_device(pending: list) -> bool:
@@ -1756,6 +1764,19 @@ def _collect() -> list:
         return _sync.OnHost() if t.window else []
     own = [statuses] if statuses is not None else []
     return own if t.agree is None else [*own, _all_ranks_flag(t.agree, statuses)]
+
+
+def _total(collected: list) -> Any:
+    """What this rank's checks add to the ranks' agreement at a GradScaler update() (see _sync.gather): their sum,
+    not finite where a status is, so where the read may fail. No op for the usual one scalar status, one for a
+    stack. A finite total that overflows, or an Inf that an output holds by design (a masked logit), costs only the
+    failure path's second all-reduce, in which each rank judges its own checks exactly."""
+    if type(collected) is _sync.OnHost:
+        return sum(collected, 0.0)
+    total = 0.0
+    for status in collected:
+        total = total + (status if status.dim() == 0 else status.sum())
+    return total
 
 
 def _statuses(g: _guard.Guard) -> Any:
