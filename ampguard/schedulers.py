@@ -19,6 +19,7 @@ Patch targets (each undone by the registry, which restores the exact original):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 import sys
@@ -193,6 +194,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
     pending, record.pending = record.pending, []
     if not pending and extra is None:
         return None
+    failing: list[int] = []  # (in a distributed run) the ranks whose checks may fail at this read
     dist = _process_group(g) if pending else None
     ranks = _ranks(dist, scaler) if dist is not None else None
     found = _known(record, scaler, pending) if ranks is None and extra is None else None
@@ -221,9 +223,7 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
                 i += len(p.found_inf)
         else:
             found, i = _agreed_skips(g, ranks, pending, values), ranks.world * (len(pending) + 1)
-            failing = _checks_that_may_fail(ranks, len(pending), values)
-            if failing:  # (the failure path: known alike on every rank, from the all-reduced table)
-                settle = _settled_together(ranks, settle, any(found))
+            failing = _checks_that_may_fail(ranks, len(pending), values)  # (alike on every rank: the table's)
     stats = g.stats
     for p, found_inf in zip(pending, found):  # noqa: B905 (one each, as made above; strict= is a keyword call)
         optimizer = p.optimizer()
@@ -241,14 +241,16 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         record.iteration_scale = values[i]
         record.iteration_tracker = values[i + 1]
     streak = record.consecutive_skips + 1 if record.iteration_skipped else 0
-    sinks = sys.modules.get("ampguard.nonfinite.sinks") if streak and streak == g.options.check_unscaled_after \
-        else None
+    unscaled = bool(streak) and streak == g.options.check_unscaled_after
+    sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
+    judge = settle  # the other features' checks that rode on this read; may raise NonFiniteError
+    if sinks is not None:
+        # The failure path: are the gradients non-finite without any scaling? Settles first.
+        judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale)
+    if ranks is not None and (failing or unscaled):
+        judge = _judged_together(ranks, judge, any(found))  # (the failure path, taken alike on every rank)
     try:
-        if sinks is not None:
-            # The failure path: are the gradients non-finite without any scaling? Settles first.
-            sinks.check_unscaled(g, settle, streak, scale=record.iteration_scale)
-        else:
-            settle()  # the other features' checks that rode on this read; may raise NonFiniteError
+        judge()
     except NonFiniteError as exc:
         if failed is None:
             raise
@@ -393,20 +395,22 @@ _KINDS = ("nan", "inf", "-inf")
 _rounds: dict[tuple, int] = {}  # per process group: failure-path agreements so far (alike on every rank)
 
 
-def _settled_together(ranks: _Ranks, settle: Any, skipped: bool) -> Any:
-    """``settle``, after which every rank of the group knows whether any rank's checks failed, and raises if one did.
+def _judged_together(ranks: _Ranks, judge: Any, skipped: bool) -> Any:
+    """``judge``, after which every rank of the group knows whether any rank's checks failed, and raises if one did.
 
-    A rank whose loss or output is non-finite raises its NonFiniteError at this update(). Alone, it would stop while
+    A rank whose loss or output is non-finite raises its NonFiniteError at this update(), and so may one whose
+    backward, replayed at scale 1 after ``check_unscaled_after`` skips, is non-finite. Alone, it would stop while
     the others went on into the next forward's or backward's collective and waited there for it: until the launcher
-    killed them, or for the collective's timeout. Some rank's checks' total was not finite (the table says which, on
-    every rank alike), so every rank judges its own checks exactly and then all-reduces its verdict: the failure
-    path's one more collective. A rank whose checks were finite raises too, quoting the failed rank's message."""
+    killed them, or for the collective's timeout. Where that may happen (some rank's checks' total was not finite,
+    or the skips reached check_unscaled_after: known alike on every rank), every rank judges its own checks and then
+    all-reduces its verdict: the failure path's one more collective. A rank whose checks passed raises too, quoting
+    the failed rank's message."""
 
-    def settle_together() -> None:
+    def judge_together() -> None:
         __tracebackhide__ = True
         mine: BaseException | None = None
         try:
-            settle()
+            judge()
         except (AmpGuardError, AmpGuardWarning) as intended:
             mine = intended
         failed = _verdicts(ranks, mine)
@@ -415,7 +419,7 @@ def _settled_together(ranks: _Ranks, settle: Any, skipped: bool) -> Any:
         if failed:
             raise _failed_elsewhere(ranks, failed, skipped)
 
-    return settle_together
+    return judge_together
 
 
 def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:

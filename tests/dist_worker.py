@@ -215,6 +215,36 @@ def nan_loss_on_one_rank(rank, scaler, micro_batches):
     return {"plain": plain, "clean": clean, "poisoned": poisoned}
 
 
+def unscaled_nan_on_one_rank(rank):
+    """Rank 1's loss adds sqrt(out * 0): 0 forward, NaN gradients at every scale (sqrt's Inf at 0 times the
+    product's 0). DDP reduces them into rank 0's, so both ranks skip every step; at the third skip
+    (check_unscaled_after) each rank replays its backward at scale 1, and only rank 1's is non-finite."""
+    import ampguard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with ampguard.guard():
+        for i in range(5):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * rank + i))
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x).float()
+            loss = out.pow(2).mean()
+            if rank == 1:
+                loss = loss + torch.sqrt(out * 0).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            try:
+                scaler.update()
+            except ampguard.NonFiniteError as err:
+                return {"iteration": i, "sink": err.sink, "op": err.op, "message": str(err),
+                        "scale": scaler.get_scale()}
+            opt.zero_grad()
+    return {"iteration": None, "scale": scaler.get_scale()}
+
+
 def one_rank_unguarded(rank):
     """Rank 1 runs without ampguard (a launcher that did not pass AMPGUARD=1 on): rank 0 must not wait forever
     in an all-reduce rank 1 never makes; it says so once and decides alone."""
@@ -369,6 +399,7 @@ SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_back
              "nan_loss_scaler": lambda rank: nan_loss_on_one_rank(rank, True, 1),
              "nan_loss_scaler_accumulating": lambda rank: nan_loss_on_one_rank(rank, True, 2),
              "nan_loss_accumulating": lambda rank: nan_loss_on_one_rank(rank, False, 2),
+             "unscaled_nan_on_one_rank": unscaled_nan_on_one_rank,
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),
              "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1")}
