@@ -163,11 +163,13 @@ def nan_loss_on_one_rank(rank, scaler, micro_batches):
     import ampguard
 
     calls = []
+    sizes = set()  # the elements of each tensor ampguard all-reduces
     real = dist.all_reduce
 
-    def counted(*args, **kwargs):
+    def counted(tensor, *args, **kwargs):
         calls[-1] += 1
-        return real(*args, **kwargs)
+        sizes.add(tensor.numel())
+        return real(tensor, *args, **kwargs)
 
     def loop(poison):
         torch.manual_seed(0)
@@ -208,6 +210,7 @@ def nan_loss_on_one_rank(rank, scaler, micro_batches):
     try:
         with ampguard.guard():
             clean = loop(False)
+        clean["sizes"] = sorted(sizes)
         with ampguard.guard():
             poisoned = loop(True)
     finally:

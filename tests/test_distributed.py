@@ -87,9 +87,10 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_read_and_none_waits
         assert p0["message"].startswith("ampguard: rank 1 stopped at this GradScaler.update() on a non-finite value.")
         assert "\n  rank 1: ampguard: NaN reached the loss.\n" in p0["message"]
         assert "This rank's GradScaler skipped the optimizer step" in p0["message"]
-        # ampguard's collectives: one a clean update() (found_inf and the checks' totals in one table), and one
-        # more on the failure path, where the ranks exchange their verdicts
+        # ampguard's collectives: one a clean update(), of the 2 x 1 found_inf table as before (the checks' totals
+        # ride in it), and one more on the failure path, where the ranks exchange their verdicts
         assert r0["clean"]["calls"] == r1["clean"]["calls"] == [1, 1, 1, 1]
+        assert r0["clean"]["sizes"] == [2]
         assert p0["calls"] == p1["calls"] == [1, 1, 2]
     else:  # no GradScaler: DDP reduced rank 1's NaN gradients into rank 0's, which its own step's check reads
         assert p0["sink"] == "gradient of parameter '0.weight'"
