@@ -360,8 +360,9 @@ def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any, to
     mine = [sum((t.to(device).reshape(()) for t in p.found_inf), zero) for p in pending]
     for total in totals:
         if isinstance(total, torch.Tensor):
-            total = total.to(device=device, dtype=zero.dtype)
-        mine[0] = mine[0] + total * 0
+            mine[0] = mine[0] + total.to(device=device, dtype=zero.dtype) * 0
+        elif total - total != 0.0:  # (a CPU rank's total, read already: no op where it is finite, the usual case)
+            mine[0] = mine[0] + math.nan
     table = torch.zeros(ranks.world, len(pending), device=device)
     table[ranks.rank] = torch.stack(mine)
     ranks.dist.all_reduce(table, group=ranks.group)  # every rank's row lands everywhere
