@@ -95,6 +95,10 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_read_and_none_waits
     else:  # no GradScaler: DDP reduced rank 1's NaN gradients into rank 0's, which its own step's check reads
         assert p0["sink"] == "gradient of parameter '0.weight'"
         assert "another rank's non-finite gradients reach this rank's too" in p0["message"]
+        # its own backward, replayed, is finite: that is the evidence, with no "did not reproduce" list first
+        assert "this rank's own backward stayed finite: the value came into its gradients from outside it" in \
+            p0["message"]
+        assert "stayed finite: the value did not reproduce" not in p0["message"]
         assert r0["clean"]["calls"] == [0, 0, 0, 0]
 
 

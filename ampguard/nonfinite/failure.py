@@ -38,6 +38,11 @@ _NOT_REPRODUCED = ("  Replayed from the same inputs, RNG state, autocast and gra
 _CHANGED_AFTER = ("code that changed the gradient after backward() and before the step (a write to .grad or "
                   ".grad.data, gradient surgery or noise, a manual all-reduce or rescale), ")
 _BACKWARD_NOT_REPRODUCED = _NOT_REPRODUCED.format(what="the replayed backward", first=_CHANGED_AFTER)
+_FROM_ANOTHER_RANK = ("  Replayed from the same inputs, RNG state, autocast and grad mode, this rank's own backward "
+                      "stayed finite: the value came into its gradients from outside it. This is a distributed run: "
+                      "DDP/FSDP all-reduce gradients, so another rank's non-finite gradients reach this rank's too. "
+                      "That rank's message names the origin. If no rank reports one, the value did not reproduce: "
+                      "look for " + _CHANGED_AFTER + "a nondeterministic kernel, or a transient hardware fault.")
 _FORWARD_MADE = "  The forward made it:"  # a backward node met a non-finite value its forward saved (0 x NaN)
 _FORWARD_MET = "  The forward met it:"  # ... one that entered the forward non-finite (the data, a parameter)
 
@@ -476,8 +481,11 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
         op, module, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
     if op is None and replay._distributed():
-        lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
-                     "gradients reach this rank's too. That rank's message names the origin.")
+        if _BACKWARD_NOT_REPRODUCED in lines:  # this rank's own backward is finite: most likely another rank's
+            lines[lines.index(_BACKWARD_NOT_REPRODUCED)] = _FROM_ANOTHER_RANK
+        else:
+            lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
+                         "gradients reach this rank's too. That rank's message names the origin.")
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
