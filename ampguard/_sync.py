@@ -66,6 +66,13 @@ def process_group() -> Any:
     return dist if _available[0] and dist.is_initialized() else None
 
 
+def distributed() -> bool:
+    """Whether this run has more than one rank (a process group is up): a failure path there must run no
+    collective alone, and a check must be read where every rank reads."""
+    dist = process_group()
+    return dist is not None and dist.get_world_size() > 1
+
+
 def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None],
                 total: Callable[[Any], Any] | None = None) -> Callable[[], None]:
     """Join the shared read; returns ``leave``. A feature joins while it is on (its switch calls both), so that a

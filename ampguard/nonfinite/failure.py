@@ -10,7 +10,7 @@ import sys
 import weakref
 from typing import Any
 
-from .. import _guard
+from .. import _guard, _sync
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._frames import warn_at_user
 from ..lints import eps_message
@@ -480,7 +480,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     else:
         op, module, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
-    if op is None and replay._distributed():
+    if op is None and _sync.distributed():
         if _BACKWARD_NOT_REPRODUCED in lines:  # this rank's own backward is finite: most likely another rank's
             lines[lines.index(_BACKWARD_NOT_REPRODUCED)] = _FROM_ANOTHER_RANK
         else:

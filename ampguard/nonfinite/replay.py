@@ -74,7 +74,7 @@ class Session:
         self.nodes: list = []  # those nodes, alive while the ids are used
         self.node_module: dict[int, tuple[Any, Any]] = {}  # id(output node of a module's torch call) -> (module, root)
         self.cloned: dict[int, str] = {}  # id(copy of a call's input) -> which input it is
-        self.distributed = _distributed()  # the other ranks are not replaying: no collective may run (Collective)
+        self.distributed = _sync.distributed()  # the other ranks are not replaying: no collective may run (Collective)
         self.collective: str | None = None  # why the backward replay stopped, if a collective stopped it
         # id(copy of an input) -> (which input, aten op, torch function, frames) of the first replayed op that wrote
         # into it in place: the original call wrote into the input itself, so the replay started from the written value
@@ -261,14 +261,9 @@ def unsafe(call: Call) -> str | None:
             return ("it runs FSDP's collectives in its forward; re-running it on one rank would hang the others. "
                     "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay: it names the op "
                     "under FSDP, in a slower run")
-        if "SyncBatchNorm" in names and m.training and _distributed():
+        if "SyncBatchNorm" in names and m.training and _sync.distributed():
             return "SyncBatchNorm all-reduces in its forward; re-running it on one rank would hang the others"
     return None
-
-
-def _distributed() -> bool:
-    dist = _sync.process_group()
-    return dist is not None and dist.get_world_size() > 1
 
 
 # -- running the window ----------------------------------------------------------------------

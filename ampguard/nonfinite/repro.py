@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from .. import _guard
+from .. import _guard, _sync
 from .._errors import NonFiniteError
 from . import replay, report, sinks
 from .sinks import T, TapeOp, log
@@ -278,7 +278,7 @@ def _loads_weights_only(data: bytes) -> bool:
 
 
 def _rank() -> int | None:
-    return sys.modules["torch.distributed"].get_rank() if replay._distributed() else None
+    return sys.modules["torch.distributed"].get_rank() if _sync.distributed() else None
 
 
 def _version() -> str:

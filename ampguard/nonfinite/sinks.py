@@ -760,7 +760,8 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
         if t.backward_since_read and grad and module.training and not _new_batch(t, module, grad) and \
-                (_on_a_device(t.pending) or _distributed(g)) and not _gradients_set_to_none(t.window):
+                (_on_a_device(t.pending) or (g.options.distributed and _sync.distributed())) and \
+                not _gradients_set_to_none(t.window):
             # gradient accumulation on a device: read at the step, one sync for all. In a distributed run too: there
             # every rank reads together, where one that stopped here alone would leave the others waiting in the
             # backward's all-reduce
@@ -793,11 +794,6 @@ def _compiled_graph_call(frame: Any) -> bool:
     them as modules) called from torch's frames alone. It is not a user's call, and cannot be replayed: its
     inputs are a list that the runtime empties as it goes. A GraphModule the user's code calls is a user call."""
     return first_user(frame, 8) is None  # (the module is a GraphModule: see kind())
-
-
-def _distributed(g: _guard.Guard) -> bool:
-    dist = schedulers._process_group(g)
-    return dist is not None and dist.get_world_size() > 1
 
 
 def _on_a_device(pending: list) -> bool:
