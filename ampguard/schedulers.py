@@ -298,6 +298,21 @@ def _ranks(dist: Any, scaler: Any) -> _Ranks | None:
     return _Ranks(dist, group, dist.get_rank(group), world)
 
 
+def _group_key(dist: Any, group: Any) -> tuple:
+    """A process group as ampguard's records per group know it (with the default group's id: a new run's differs)."""
+    return id(dist.distributed_c10d._get_default_group()), id(group)
+
+
+def _group_members(dist: Any, group: Any, world: int) -> tuple[int, ...]:
+    """The global ranks of ``group`` (of the default group: 0 to world - 1), the ones users see in their logs."""
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+
+
+def _store_prefix(what: str, members: tuple[int, ...]) -> str:
+    """Where in the process group's store ampguard keeps ``what`` for the group of ``members``."""
+    return f"ampguard/{what}/{'-'.join(map(str, members[:64]))}/{len(members)}/"
+
+
 HANDSHAKE_TIMEOUT_S = 60.0  # how long the first update() waits for the other ranks to say they are guarded
 _handshakes: dict[tuple, bool] = {}
 
@@ -311,16 +326,15 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
     decide writes the verdict with an atomic compare-and-set, so every rank takes the same one, even
     a guarded rank that arrives after the timeout.
     """
-    key = (id(dist.distributed_c10d._get_default_group()), id(group))  # every update() asks: O(1) when known
+    key = _group_key(dist, group)  # every update() asks: O(1) when known
     known = _handshakes.get(key)
     if known is not None:
         return known
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # a torch without it: trust that every rank is guarded, as before
         return True
-    prefix = f"ampguard/handshake/{'-'.join(map(str, ranks[:64]))}/{len(ranks)}/"
+    prefix = _store_prefix("handshake", _group_members(dist, group, world))
     arrived = int(store.add(prefix + "arrived", 1))
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     while arrived < world and time.monotonic() < deadline:
@@ -392,9 +406,7 @@ def _agreed_skips(g: Guard, ranks: _Ranks, pending: list[_PendingStep], values: 
 
 def _global_ranks(ranks: _Ranks, of_group: list[int]) -> list[int]:
     """The global ranks, the ones users see in their logs, of ranks in the scaler's group."""
-    if ranks.group is None:
-        return of_group
-    members = ranks.dist.get_process_group_ranks(ranks.group)
+    members = _group_members(ranks.dist, ranks.group, ranks.world)
     return [members[r] for r in of_group]
 
 
@@ -437,9 +449,9 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
     import torch
 
     dist = ranks.dist
-    key = (id(dist.distributed_c10d._get_default_group()), id(ranks.group))
+    key = _group_key(dist, ranks.group)
     _rounds[key] = round_ = _rounds.get(key, 0) + 1
-    prefix = f"ampguard/failed/{'-'.join(map(str, _global_ranks(ranks, list(range(ranks.world)))[:64]))}/{round_}/"
+    prefix = f"{_store_prefix('failed', _group_members(dist, ranks.group, ranks.world))}{round_}/"
     if mine is not None:
         try:
             dist.distributed_c10d._get_default_store().set(prefix + str(ranks.rank), json.dumps(
