@@ -73,6 +73,15 @@ def distributed() -> bool:
     return dist is not None and dist.get_world_size() > 1
 
 
+def collective_device(dist: Any, group: Any, device: Any) -> Any:
+    """Where a collective on ``group`` can reduce a tensor made on ``device``: NCCL reduces CUDA tensors only, so a
+    CPU one goes to this rank's current CUDA device there; any other backend takes it where it is."""
+    torch = sys.modules["torch"]
+    if device.type == "cpu" and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def participate(feature: str, collect: Callable[[], list], consume: Callable[[list[float]], None],
                 total: Callable[[Any], Any] | None = None) -> Callable[[], None]:
     """Join the shared read; returns ``leave``. A feature joins while it is on (its switch calls both), so that a

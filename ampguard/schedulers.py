@@ -353,13 +353,6 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
     return ok
 
 
-def _collective_device(ranks: _Ranks, device: Any) -> Any:
-    torch = sys.modules["torch"]
-    if device.type == "cpu" and "nccl" in str(ranks.dist.get_backend(ranks.group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
-    return device
-
-
 def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any, totals: list) -> Any:
     """A (world, optimizers) tensor of every rank's found_inf sums: one tiny all-reduce, no host sync.
 
@@ -369,7 +362,7 @@ def _all_ranks_skips(ranks: _Ranks, pending: list[_PendingStep], device: Any, to
     machine, and 4 in 0.9-1.4 ms."""
     import torch
 
-    device = _collective_device(ranks, device)
+    device = _sync.collective_device(ranks.dist, ranks.group, device)
     zero = torch.zeros((), device=device)
     mine = [sum((t.to(device).reshape(()) for t in p.found_inf), zero) for p in pending]
     for total in totals:
@@ -459,7 +452,7 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
                  "sink": getattr(mine, "sink", None)}))
         except Exception:  # (no store: the other ranks' messages say less)
             pass
-    flags = torch.zeros(ranks.world, device=_collective_device(ranks, torch.device("cpu")))
+    flags = torch.zeros(ranks.world, device=_sync.collective_device(ranks.dist, ranks.group, torch.device("cpu")))
     if mine is not None:
         flags[ranks.rank] = 1.0
     dist.all_reduce(flags, group=ranks.group)

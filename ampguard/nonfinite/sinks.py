@@ -1726,9 +1726,7 @@ def _agreeing_group(g: _guard.Guard) -> Any:
 def _all_ranks_flag(dist: Any, statuses: Any) -> Any:
     """1 where any rank's statuses hold a NaN/Inf: one tiny all-reduce, riding this step's read."""
     torch = _torch
-    device = statuses.device if statuses is not None else torch.device("cpu")
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    device = _sync.collective_device(dist, None, statuses.device if statuses is not None else torch.device("cpu"))
     if statuses is None:
         flag = torch.zeros(1, device=device)
     else:
