@@ -17,8 +17,6 @@ checks every op as it runs (slow, for debugging), ``"off"`` only checks the sink
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Any
 
 from .. import _sync
@@ -30,11 +28,6 @@ from .sinks import FEATURE, T, check
 sinks._failure = failure  # the failure path is loaded with the package, never imported lazily mid-run
 
 __all__ = ["FEATURE", "T", "check", "report"]
-
-# torch warns at every call of a compiled module while a global module hook exists that the hooks
-# fire for the OptimizedModule: that call is the one ampguard records, so the warning is about us.
-_COMPILED_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
-
 
 def _switch_hooks() -> Any:
     import torch
@@ -52,7 +45,6 @@ def _switch_hooks() -> Any:
     sinks._READ_AS_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
     handles: list = []
     modules_off: Any = None
-    ignore: Any = None
     leave: Any = None
 
     def off() -> None:  # idempotent: an interrupted uninstall runs it again
@@ -64,10 +56,6 @@ def _switch_hooks() -> Any:
             leave()  # (after a guard's exit or uninstall() read what was pending: switches go off after that)
         sinks.end_tape()
         sinks.forget_calls()  # the calls open now are not seen closing; pending checks stay with their guard
-        if ignore is not None:
-            with contextlib.suppress(ValueError):  # a catch_warnings block may have dropped it already
-                warnings.filters.remove(ignore)
-                warnings._filters_mutated()
 
     try:  # an interrupt anywhere here undoes what was done (the registry never saw this switch on)
         # the shared read, while the feature is on
@@ -75,8 +63,6 @@ def _switch_hooks() -> Any:
         modules_off = outermost.switch_on(sinks.enter, sinks.exit, sinks.nested, sinks.nested_end)
         handles.append(optim_module.register_optimizer_step_pre_hook(sinks.optimizer_pre_step))
         handles.append(optim_module.register_optimizer_step_post_hook(sinks.optimizer_post_step))
-        warnings.filterwarnings("ignore", message=_COMPILED_HOOKS_WARNING, category=UserWarning)
-        ignore = warnings.filters[0]
     except BaseException:
         off()
         raise
@@ -116,6 +102,9 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
                            "around the compiled code"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_tensor_backward,
                            "Tensor.backward: end the loss code's record before torch dispatches the call to it"))
+REGISTRY.add(Target("torch", "torch.nn.modules.module", "_has_any_global_hook", outermost.global_hooks_but_ours,
+                    "torch.compile(module)'s call warns of global hooks: ampguard's own are made for that call",
+                    feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.autograd", "grad", sinks._autograd_grad,

@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._fallback import fail_safe
+from .._fallback import fail_safe, internal_failure
 from .._guard import PerThread
 
 _lock = threading.Lock()
@@ -335,6 +335,32 @@ def _raised_through(frame: Any) -> bool:
     call's frame."""
     tb = sys.exc_info()[2]
     return tb is not None and (tb.tb_frame is frame or (tb.tb_next is not None and tb.tb_next.tb_frame is frame))
+
+
+# -- torch.compile(module)'s warning -------------------------------------------------------------
+def global_hooks_but_ours(wrapped: Callable[[], Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.nn.modules.module._has_any_global_hook``, with ampguard's own hooks left out. A module made by
+    ``torch.compile(module)`` asks it at every call, to warn that global hooks fire an extra time for it. Those of
+    ampguard do not: that call is one outermost call (``sinks.kind``: 'compiled'), its nested calls find no global
+    hook. Shown at every call of every compiled model, the warning was about ampguard, and a run that turns warnings
+    into errors (pytest's ``filterwarnings = error``) failed at the model's first call. A hook of anyone else's still
+    gets torch's warning."""
+    found = wrapped(*args, **kwargs)
+    if not found:
+        return found
+    try:
+        from torch.nn.modules import module as nn_module
+
+        ours = (H.handle.id if H.handle is not None else None, H.post_handle.id if H.post_handle is not None else None)
+        for hooks in (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+                      nn_module._global_forward_hooks_always_called, nn_module._global_forward_hooks_with_kwargs):
+            for key in hooks:
+                if key not in ours:
+                    return found
+        return bool(nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
+    except Exception as exc:
+        internal_failure("nonfinite", exc)
+        return found
 
 
 # -- models compiled in place -------------------------------------------------------------------
