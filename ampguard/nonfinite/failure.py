@@ -481,9 +481,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
         op, module, origin, more = _replay_backward(g, window, losses)
         lines.extend(more)
     if op is None and _sync.distributed():
-        if _BACKWARD_NOT_REPRODUCED in lines:  # this rank's own backward is finite: most likely another rank's
-            lines[lines.index(_BACKWARD_NOT_REPRODUCED)] = _FROM_ANOTHER_RANK
-        else:
+        if _FROM_ANOTHER_RANK not in more:  # (that line says it already, with the replay's evidence)
             lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
                          "gradients reach this rank's too. That rank's message names the origin.")
     elif op is not None and op.startswith("hook "):
@@ -526,7 +524,9 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         return None, None, None, [*how, f"  No origin is known: the backward was not replayed: {session.collective}."]
     if not found or ("hook" in found and found_kinds is not None):
         # (a hook at scale 1, in GradScaler's check, is judged as the overflow it usually stands in for)
-        return None, None, None, [*how, _BACKWARD_NOT_REPRODUCED, *_written_inputs(session, False)]
+        # (in a distributed run, this rank's own backward being finite says the value came from another rank)
+        finite = _FROM_ANOTHER_RANK if session.distributed else _BACKWARD_NOT_REPRODUCED
+        return None, None, None, [*how, finite, *_written_inputs(session, False)]
     if "hook" in found:
         return _hooked(g, window, found, how)
     if found_kinds is not None:
