@@ -444,15 +444,20 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
     dist = ranks.dist
     key = _group_key(dist, ranks.group)
     _rounds[key] = round_ = _rounds.get(key, 0) + 1
-    prefix = f"{_store_prefix('failed', _group_members(dist, ranks.group, ranks.world))}{round_}/"
-    if mine is not None:
+    members = _group_members(dist, ranks.group, ranks.world)
+    prefix = f"{_store_prefix('failed', members)}{round_}/"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # (no store: the other ranks' messages say less)
+        store = None
+    if mine is not None and store is not None:
         try:
-            dist.distributed_c10d._get_default_store().set(prefix + str(ranks.rank), json.dumps(
+            store.set(prefix + str(ranks.rank), json.dumps(
                 {"headline": str(mine).split("\n", 1)[0], "kind": getattr(mine, "kind", None),
                  "sink": getattr(mine, "sink", None)}))
-        except Exception:  # (no store: the other ranks' messages say less)
+        except Exception:
             pass
-    flags = torch.zeros(ranks.world, device=_sync.collective_device(ranks.dist, ranks.group, torch.device("cpu")))
+    flags = torch.zeros(ranks.world, device=_sync.collective_device(dist, ranks.group, torch.device("cpu")))
     if mine is not None:
         flags[ranks.rank] = 1.0
     dist.all_reduce(flags, group=ranks.group)
@@ -460,10 +465,10 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
     for r, flag in enumerate(flags.tolist()):
         if flag and r != ranks.rank:
             try:
-                said = json.loads(dist.distributed_c10d._get_default_store().get(prefix + str(r)))
-            except Exception:
+                said = json.loads(store.get(prefix + str(r)))
+            except Exception:  # (no store, or no words from that rank)
                 said = {}
-            failed[_global_ranks(ranks, [r])[0]] = said
+            failed[members[r]] = said
     return failed
 
 
