@@ -349,8 +349,7 @@ def global_hooks_but_ours(wrapped: Callable[[], Any], instance: Any, args: tuple
     if not found:
         return found
     try:
-        from torch.nn.modules import module as nn_module
-
+        nn_module = sys.modules["torch.nn.modules.module"]  # (imported: its function is the one wrapped)
         ours = (H.handle.id if H.handle is not None else None, H.post_handle.id if H.post_handle is not None else None)
         for hooks in (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
                       nn_module._global_forward_hooks_always_called, nn_module._global_forward_hooks_with_kwargs):
