@@ -450,24 +450,28 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # (no store: the other ranks' messages say less)
         store = None
+    said_here = False  # whether this rank's words are in the store: its verdict says so (2, else 1)
     if mine is not None and store is not None:
         try:
             store.set(prefix + str(ranks.rank), json.dumps(
                 {"headline": str(mine).split("\n", 1)[0], "kind": getattr(mine, "kind", None),
                  "sink": getattr(mine, "sink", None)}))
+            said_here = True
         except Exception:
             pass
     flags = torch.zeros(ranks.world, device=_sync.collective_device(dist, ranks.group, torch.device("cpu")))
     if mine is not None:
-        flags[ranks.rank] = 1.0
+        flags[ranks.rank] = 2.0 if said_here else 1.0
     dist.all_reduce(flags, group=ranks.group)
     failed = {}
     for r, flag in enumerate(flags.tolist()):
         if flag and r != ranks.rank:
-            try:
-                said = json.loads(store.get(prefix + str(r)))
-            except Exception:  # (no store, or no words from that rank)
-                said = {}
+            said = {}
+            if flag == 2.0:  # (only then: a get of a key never set waits for the store's timeout)
+                try:
+                    said = json.loads(store.get(prefix + str(r)))
+                except Exception:  # (no store here)
+                    pass
             failed[members[r]] = said
     return failed
 

@@ -396,6 +396,25 @@ def collective_in_backward(rank):
     return _steps_then_a_collective(rank, model, batch)
 
 
+def verdict_without_words(rank):
+    """Rank 1 fails and its words never reach the store (their write raises: here, an error that cannot be said).
+    Rank 0 learns of the failure from the verdicts alone, at once: a get of the key never set would wait for the
+    store's timeout (30 minutes)."""
+    import time
+
+    import ampguard
+    from ampguard import schedulers
+
+    class Unsayable(ampguard.NonFiniteError):
+        def __str__(self):
+            raise RuntimeError("cannot be said")
+
+    mine = Unsayable("x", kind="inf", sink="loss") if rank == 1 else None
+    start = time.monotonic()
+    failed = schedulers._verdicts(schedulers._Ranks(dist, None, rank, WORLD), mine)
+    return {"failed": {str(r): said for r, said in failed.items()}, "seconds": time.monotonic() - start}
+
+
 SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_backward": collective_in_backward,
              "ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
              "ddp_unused_nan_origin": ddp_unused_nan_origin,
@@ -405,7 +424,8 @@ SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_back
              "unscaled_nan_on_one_rank": unscaled_nan_on_one_rank,
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),
-             "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1")}
+             "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1"),
+             "verdict_without_words": verdict_without_words}
 
 
 class Blocks(torch.nn.Module):

@@ -102,6 +102,13 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_read_and_none_waits
         assert r0["clean"]["calls"] == [0, 0, 0, 0]
 
 
+def test_a_failed_rank_whose_words_never_reached_the_store_makes_no_rank_wait(python):
+    r0, r1 = run_ranks(python, "verdict_without_words")  # within run_ranks' 120 s: the store's timeout is 30 min
+    assert r0["failed"] == {"1": {}}  # known failed, with nothing of its message
+    assert r1["failed"] == {}  # (its own failure is its own error, raised by the caller)
+    assert r0["seconds"] < 30
+
+
 def test_gradients_non_finite_at_every_scale_on_one_rank_stop_every_rank_at_the_same_update(python):
     """check_unscaled_after's replay at scale 1 runs on each rank, and only rank 1's own backward makes the NaN:
     before, rank 1 raised alone and rank 0 went on into its next all-reduce (here: crashed as rank 1 exited)."""
