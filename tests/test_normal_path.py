@@ -163,6 +163,56 @@ def test_a_dropped_output_is_freed_before_backward():
     opt.step()
 
 
+@pytest.mark.parametrize("trained", [True, False])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_model_evaluated_and_dropped_is_freed_when_the_user_drops_it(read_path, trained, mode):
+    """A script that evaluates checkpoints one after another (or trains, evaluates and loads the next model) drops
+    each model before it loads the next. The calls without grad stay in the window until the next read, and held
+    their module: the dropped model lived on beside the next one, twice the memory of the run without ampguard."""
+    ampguard.install()
+    model = Net()
+    if trained:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        del opt
+    model.eval()
+    with getattr(torch, mode)():
+        for _ in range(2):
+            model(torch.randn(4, 8))
+    assert any(type(e) is sinks.Call for e in sinks.T.window)  # (the calls are still there, until the next read)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_nan_output_read_after_its_model_was_dropped_says_so(read_path):
+    """On a device an inference output's status is read later, at the next call of the model or at the guard's end.
+    If the model is gone by then, the NaN is still reported, as the output of that module, and the message says why
+    the call was not replayed and how to have it replayed."""
+    model = Net()
+    with torch.no_grad():
+        model.head.bias[0] = float("nan")
+        x = torch.randn(4, 8)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            with ampguard.guard():
+                model(x)
+                if read_path == "device":
+                    ref = weakref.ref(model)
+                    del model
+                    gc.collect()
+                    assert ref() is None
+    message = str(info.value)
+    assert info.value.sink == "output of module 'Net'"
+    if read_path == "device":
+        assert "module 'Net', called without grad, was freed before the check" in message, message
+        assert "keep it referenced until the check" in message
+    else:  # known NaN at once on the CPU: the call holds its module and data until the read, and names the origin
+        assert "parameter 'head.bias'" in message, message
+
+
 class TakesMany(torch.nn.Module):
     """A model called with a batch, a mask in a list, a number, a parameter and another call's output."""
 

@@ -59,8 +59,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     window, losses, transformed = T.window, T.losses, T.transformed
     T.pending = [q for q in T.pending if q.guard is not g]
     sinks._clear_window()
-    module = p.call.module if p.call is not None else None
-    if not _first_time(g, (p.sink, type(module) if module is not None else None)):
+    if not _first_time(g, (p.sink, p.call.module_type if p.call is not None else None)):
         return  # warn mode replays once per sink and module
     T.repro_origin = None
     T.transformed = transformed  # (the window's, for the message, while it is built)
@@ -287,7 +286,8 @@ def _became(g: _guard.Guard, window: list, rec: replay.OpRecord) -> str:
 
 def _roots(g: _guard.Guard, window: list) -> list:
     known = [ref() for ref in g.states[sinks.ROOTS].values()]
-    return [c.module for c in window if type(c) is Call] + [m for m in known if m is not None]
+    return [m for m in (c.module for c in window if type(c) is Call) if m is not None] + \
+        [m for m in known if m is not None]
 
 
 def _module_path(g: _guard.Guard, window: list, root: Any, module: Any) -> str | None:
@@ -313,7 +313,7 @@ def _module_path(g: _guard.Guard, window: list, root: Any, module: Any) -> str |
 
 def _names(g: _guard.Guard, window: list) -> dict[int, str]:
     """id(parameter or buffer) -> its name in messages (see report.tensor_names)."""
-    sites = {id(c.module): c.site for c in window if type(c) is Call and c.site is not None}
+    sites = {id(c.module): c.site for c in window if type(c) is Call and c.site is not None and c.module is not None}
     return report.tensor_names(_roots(g, window), sites)
 
 
@@ -518,7 +518,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
             loss = sum((o.float().sum() for o in outs), sinks._torch.zeros(()))
             how = ["  (The loss code was not recorded, so the replayed backward started from the model's output "
                    "with a gradient of ones, not the original one.)"]
-        params = [q for c in window if type(c) is Call for q in c.module.parameters()]
+        params = [q for c in window if type(c) is Call and c.module is not None for q in c.module.parameters()]
         found = replay.backward_origin(session, loss, params)
     if not found and session.collective is not None:
         return None, None, None, [*how, f"  No origin is known: the backward was not replayed: {session.collective}."]

@@ -251,7 +251,10 @@ def _modes(session: Session) -> Any:
 # -- unsafe calls --------------------------------------------------------------------------
 def unsafe(call: Call) -> str | None:
     """Why re-running this call could harm the run, or None."""
-    module = getattr(call.module, "_orig_mod", call.module)
+    module = call.module
+    if module is None:
+        return None  # (dropped: nothing to re-run; the replay says so)
+    module = getattr(module, "_orig_mod", module)
     for m in module.modules():
         if getattr(m, "ampguard_replay", True) is False:
             return f"module '{type(m).__name__}' opts out (ampguard_replay = False)"
@@ -277,7 +280,7 @@ def untouched(window: list) -> Iterator[None]:
     (``self.last_attention = weights``, for logging), would otherwise be left counting the replay, or holding
     the replay's tensor and its graph in place of the user's."""
     torch = sinks._torch
-    roots = {id(c.module): c.module for c in window if type(c) is Call}
+    roots = {id(m): m for m in (c.module for c in window if type(c) is Call) if m is not None}
     saved = [(b, b.detach().clone()) for m in roots.values() for b in m.buffers()]
     modules = {id(m): m for root in roots.values() for m in root.modules()}
     attributes = [(vars(m), dict(vars(m))) for m in modules.values()]
@@ -473,7 +476,14 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         if reason is not None:
             session.unreplayed[index] = reason
             return
-        module = getattr(event.module, "_orig_mod", event.module)
+        module = event.module
+        if module is None:
+            freed = Freed(f"module '{event.module_type.__name__}', called without grad, was freed before the check")
+            freed.advice = ("ampguard holds a module called without grad (evaluation, prediction) no longer than "
+                            "you do: keep it referenced until the check (the next call of the same module) to have the "
+                            "call replayed")
+            raise freed
+        module = getattr(module, "_orig_mod", module)
         args, kwargs = _map_call(session, event, type(module).__name__)
         _set_rng(event.rng)
         grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)

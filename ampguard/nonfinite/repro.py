@@ -56,8 +56,9 @@ def attach(g: _guard.Guard, error: NonFiniteError, window: list | None = None) -
     try:
         if origin is None:
             for call in window or ():
-                if type(call) is not TapeOp:
-                    _check_bundlable(getattr(call.module, "_orig_mod", call.module))  # FSDP: says why
+                module = call.module if type(call) is not TapeOp else None  # (None too: dropped, see sinks.Call)
+                if module is not None:
+                    _check_bundlable(getattr(module, "_orig_mod", module))  # FSDP: says why
         path = write(g, error, origin)
         error.repro = path
         line = f"  reproducer: {path}\n    python -m ampguard repro {path}"

@@ -116,16 +116,40 @@ class Ref:
 class Call:
     """One outermost module call, as a replay needs it."""
 
-    __slots__ = ("args", "autocast", "grad", "index", "inference", "kwargs", "method", "module", "outputs", "rng",
+    __slots__ = ("_module", "args", "autocast", "grad", "index", "inference", "kwargs", "method", "outputs", "rng",
                  "site", "steps", "swapped")
 
     def __init__(self, module: Any, args: Any, kwargs: Any, entry: tuple, outputs: list) -> None:
-        self.module = module
+        self._module = module  # or a _ModuleRef
         self.args = args  # weak: see weak()
         self.kwargs = kwargs
         self.rng, self.autocast, self.grad, self.inference, self.site, self.steps, self.method, self.swapped = entry
         self.outputs = outputs  # [(weakref, position)] of the floating output tensors
         self.index = -1  # its place in the window
+
+    @property
+    def module(self) -> Any:
+        """The module called, or None once the user has dropped it (a call held weakly)."""
+        module = self._module
+        return module() if type(module) is _ModuleRef else module
+
+    @property
+    def module_type(self) -> type:
+        """The called module's class, also once it is gone (for messages)."""
+        module = self._module
+        return module.cls if type(module) is _ModuleRef else type(module)
+
+
+class _ModuleRef(weakref.ref):
+    """How a call without grad (evaluation, inference) holds its module: weakly, as it holds its inputs. No step
+    reads its window, which stays until the next read, and a script that evaluates a model, drops it and loads the
+    next one had both in memory at once. A replay that needs a dropped module says so."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, module: Any) -> None:
+        super().__init__(module)
+        self.cls = type(module)
 
 
 class TapeOp:
@@ -868,7 +892,10 @@ def nested_end(module: Any) -> None:
 def output_words(call: Call, key: Any) -> str:
     """An output sink's name in messages (made only when a failure needs it)."""
     module = call.module
-    name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
+    if module is None:  # (a call without grad whose module the user dropped before the read)
+        name = call.module_type.__name__
+    else:
+        name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
     return f"output of module '{name}'" + (f" (output {key!r})" if len(call.outputs) > 1 else "")
 
 
@@ -926,8 +953,8 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     window = t.window
     index = len(window) if len(window) < MAX_WINDOW else -1  # -1: the window is full, the call is not in it
     # Under no_grad nothing reads the inputs again and the next batch may already be made: hold none.
-    call = Call(module, weak(args, training), weak(kwargs, training) if kwargs else kwargs, entry,
-                _made(t, outputs, index))
+    call = Call(module if training else _ModuleRef(module), weak(args, training),
+                weak(kwargs, training) if kwargs else kwargs, entry, _made(t, outputs, index))
     if index >= 0:
         call.index = index
         window.append(call)
@@ -966,6 +993,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # device the read is that next call's, and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
         call.kwargs = weak(kwargs, True) if kwargs else kwargs
+        call._module = module
     known_root(g, module)
     if tape and g.options.trace != "off" and (training or t.resume_tape):
         start_tape(g)  # the loss code follows: record it until backward()
@@ -1879,7 +1907,8 @@ def _gradients_set_to_none(window: list) -> bool:
     parameter of the window's first call tells: O(1), at a call that follows a backward() without a step."""
     for call in window:
         if type(call) is Call:
-            for param in call.module.parameters():
+            module = call.module  # (None: a call without grad, whose module was dropped)
+            for param in module.parameters() if module is not None else ():
                 if param.requires_grad:
                     return param.grad is None
             return False
@@ -1893,9 +1922,10 @@ def _gradients_cleared(window: list) -> bool:
     accumulation keeps the gradients, and its step is skipped. The failure path of skip mode only: it reads each
     gradient left (one zeroed with ``set_to_none=False``)."""
     for call in window:
-        if type(call) is not Call:
+        module = call.module if type(call) is Call else None
+        if module is None:
             continue
-        for param in call.module.parameters():
+        for param in module.parameters():
             grad = param.grad
             if grad is not None and bool(stored(grad.detach()).ne(0).any()):
                 return False
