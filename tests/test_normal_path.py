@@ -213,6 +213,43 @@ def test_a_nan_output_read_after_its_model_was_dropped_says_so(read_path):
         assert "parameter 'head.bias'" in message, message
 
 
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_an_error_the_loop_catches_holds_nothing_of_the_failed_step_after_its_except_block(read_path, where):
+    """A loop that skips a bad batch itself (``except FloatingPointError: continue``). The error's traceback holds
+    the failed step's frames, and with them its batch, its loss and whatever else they reference. Python drops the
+    error at the end of the except block; ampguard kept the latest one, so all of that lived on until the next
+    error."""
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs, hooks = [], []
+
+    def step(bad):
+        batch = torch.randn(64, 8)
+        loss = model(batch).pow(2).mean()
+        refs.append((weakref.ref(batch), weakref.ref(loss)))
+        if bad and where == "loss":
+            loss = loss * float("nan")
+        elif bad:
+            hooks.append(model.head.weight.register_hook(lambda grad: grad * float("nan")))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    caught = 0
+    for i in range(3):
+        try:
+            step(i == 1)
+        except FloatingPointError:  # (NonFiniteError is one)
+            caught += 1
+            opt.zero_grad()
+            for hook in hooks:
+                hook.remove()
+    assert caught == 1
+    gc.collect()
+    assert [(batch() is None, loss() is None) for batch, loss in refs] == [(True, True)] * 3
+
+
 class TakesMany(torch.nn.Module):
     """A model called with a batch, a mask in a list, a number, a parameter and another call's output."""
 

@@ -94,8 +94,11 @@ def _first_time(g: _guard.Guard, key: Any) -> bool:
 
 def emit(g: _guard.Guard, error: NonFiniteError) -> None:
     __tracebackhide__ = True
-    T.last_error = error
     mode = g.options.nonfinite
+    if mode == "skip":
+        # (skip mode's consecutive-skip error quotes it; it is warned, never raised. A raised error is never kept:
+        # its traceback would hold the failed step's frames, and their batch and loss graph, past the user's except)
+        T.last_error = error
     if mode == "skip" and T.poisoned:
         warn_at_user("ampguard: nonfinite='skip': the optimizer step this reached is skipped (parameters, optimizer "
                      "state and buffers as before the batch, LR schedulers held); the run goes on. Once per origin:\n"
