@@ -2,6 +2,7 @@
 parameters or outputs a loss covers, no tensor kept alive, nested module calls on torch's fast path."""
 
 import contextlib
+import copy
 import gc
 import math
 import sys
@@ -102,6 +103,61 @@ def test_a_keyboard_interrupt_inside_the_forward_is_recovered(next_call):
     assert sinks.T.window == [] or sinks.T.window[0].module is not None
     ampguard.uninstall()
     assert our_hooks() == [] and model._forward_hooks == {}
+
+
+def test_a_model_saved_whole_or_copied_after_a_keyboard_interrupt_has_none_of_ampguards_hooks(tmp_path, python):
+    """A notebook interrupted in its training cell, whose next cell saves the model whole or copies it. torch runs
+    no always-call hook for a KeyboardInterrupt, so the module kept ampguard's instance hooks until the next hook:
+    torch.save wrote them into the file, which failed to load without ampguard, and the copy kept them for good."""
+    original = vars(torch.nn.Module)["__getstate__"]
+    ampguard.install()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def ctrl_c(module, args):
+        raise KeyboardInterrupt
+
+    handle = model[1].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(4, 8))
+    handle.remove()
+    assert model._forward_pre_hooks != {}  # (ampguard's, still there: nothing has seen the call end)
+    path = tmp_path / "interrupted.pt"
+    torch.save(model, path)
+    copied = copy.deepcopy(model)
+    assert model._forward_pre_hooks == {} and model._forward_hooks == {}  # the interrupted call is closed, too
+    assert copied._forward_pre_hooks == {} and copied._forward_hooks == {}
+    assert copied._forward_hooks_always_called == {} and copied._forward_hooks_with_kwargs == {}
+    proc = python(f"""
+        import sys
+        sys.modules["ampguard"] = None  # where ampguard is not installed
+        import torch
+        m = torch.load({str(path)!r}, weights_only=False)
+        print(tuple(m(torch.randn(3, 8)).shape), len(m._forward_pre_hooks), len(m._forward_hooks))
+        """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "(3, 2) 0 0"
+    ampguard.uninstall()
+    assert vars(torch.nn.Module)["__getstate__"] is original
+
+
+def test_a_module_that_copies_itself_inside_its_call_gives_a_copy_without_ampguards_hooks():
+    """An EMA or a snapshot taken in the forward (``copy.deepcopy(self)``), or by another thread while the call
+    runs: the copy has none of the hooks that end the call, and the call itself still ends as it should."""
+    ampguard.install()
+
+    class SelfCopying(Net):
+        def forward(self, x):
+            self.snapshot = copy.deepcopy(self)
+            return super().forward(x)
+
+    model = SelfCopying()
+    model.snapshot = None
+    model(torch.randn(4, 8)).sum().backward()
+    snap = model.snapshot
+    assert snap._forward_pre_hooks == {} and snap._forward_hooks == {} and snap._forward_hooks_always_called == {}
+    assert model._forward_pre_hooks == {} and model._forward_hooks == {}  # the call ended and took its hooks off
+    assert len(our_hooks()) == 1
+    assert torch.equal(snap.fc.weight, model.fc.weight)
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

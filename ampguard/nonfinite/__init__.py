@@ -86,6 +86,14 @@ def _switch_module_compile() -> Any:
     return wrap_on_class(Module, "compile", _module_compile)
 
 
+def _switch_module_state() -> Any:
+    """``nn.Module.__getstate__`` wrapped on the class itself (see ``wrap_on_class``); a subclass's own override that
+    calls it is covered through that call."""
+    from torch.nn.modules.module import Module
+
+    return wrap_on_class(Module, "__getstate__", outermost.module_state)
+
+
 def _switch_tensor_backward() -> Any:
     """``Tensor.backward`` wrapped on the class itself (see ``wrap_on_class``). A subclass that overrides
     ``backward()`` keeps the record on through its dispatch, as before, and ``torch.autograd.backward``'s wrapper
@@ -100,6 +108,9 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_hooks,
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
                            "a model compiled in place runs its hooks compiled: its call is made an outermost call "
                            "around the compiled code"))
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_state,
+                           "a module saved or copied while it has ampguard's instance hooks (its call open, or "
+                           "interrupted by Ctrl-C) is saved or copied without them"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_tensor_backward,
                            "Tensor.backward: end the loss code's record before torch dispatches the call to it"))
 REGISTRY.add(Target("torch", "torch.nn.modules.module", "_has_any_global_hook", outermost.global_hooks_but_ours,

@@ -337,6 +337,39 @@ def _raised_through(frame: Any) -> bool:
     return tb is not None and (tb.tb_frame is frame or (tb.tb_next is not None and tb.tb_next.tb_frame is frame))
 
 
+# -- a module pickled or copied while it has the instance hooks ------------------------------------
+_HOOK_DICTS = (("_forward_pre_hooks", 0), ("_forward_hooks", 1), ("_forward_hooks_with_kwargs", 1),
+               ("_forward_hooks_always_called", 1))  # (the dict, which of H.ids)
+
+
+def module_state(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``nn.Module.__getstate__`` (``torch.save(model)``, ``copy.deepcopy``, pickling), without ampguard's instance
+    hooks. A module has them while its outermost call is open, and after a Ctrl-C inside that call until the next
+    hook sees it (torch runs no always-call hook for a KeyboardInterrupt). A notebook interrupted in its training
+    cell, whose next cell saved the model whole or copied it, wrote ampguard's hook functions into the file, which
+    then failed to load where ampguard is not installed, and gave the copy hooks that nothing would ever take off.
+    An interrupted call of this thread's is closed here, as the next hook would close it; one still running (the
+    module copying itself, another thread's call) keeps its hooks, and the state leaves them out."""
+    try:
+        recover()
+    except Exception as exc:
+        internal_failure("nonfinite", exc)
+    state = wrapped(*args, **kwargs)
+    if id(instance) not in H.attached:  # (every other module: one lookup)
+        return state
+    try:
+        ids = H.ids
+        for name, which in _HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks is not None and ids[which] in hooks:
+                hooks = hooks.copy()
+                del hooks[ids[which]]
+                state = {**state, name: hooks}  # (a copy: the state may be the module's own __dict__)
+    except Exception as exc:
+        internal_failure("nonfinite", exc)
+    return state
+
+
 # -- torch.compile(module)'s warning -------------------------------------------------------------
 def global_hooks_but_ours(wrapped: Callable[[], Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.nn.modules.module._has_any_global_hook``, with ampguard's own hooks left out. A module made by
