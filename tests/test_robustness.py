@@ -211,6 +211,27 @@ def test_two_threads_train_concurrently_under_one_guard_without_leaking_decision
     assert g.stats.optimizer_steps_skipped == 5 and g.stats.scheduler_steps_held == 5
 
 
+def test_a_failure_while_another_thread_imports_dynamo_is_still_explained(python):
+    """Inference threads of one model, two of them failing at once. torch imports dynamo on first use, here inside
+    one thread's replay; the other thread's failure path found the module half made in sys.modules and its replay
+    failed ("partially initialized module 'torch._dynamo' has no attribute 'disable'"), so its message lost the
+    origin. The failure path runs outside torch.compile through an import that waits for the module instead."""
+    proc = python("""
+        import sys, threading, time, torch
+        from ampguard.nonfinite import sinks
+        assert "torch._dynamo" not in sys.modules
+        importer = threading.Thread(target=lambda: __import__("torch._dynamo"))
+        importer.start()
+        while "torch._dynamo" not in sys.modules:  # (the other thread's import has begun, and is far from done)
+            time.sleep(0)
+        run = sinks.outside_compile(lambda: 42)
+        importer.join()
+        print(run(), type(run).__name__, hasattr(run, "_torchdynamo_orig_callable"))
+        """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["42", "function", "True"]  # dynamo's disable wrapper, made once the import is done
+
+
 def test_install_and_uninstall_from_many_threads_leave_a_consistent_state():
     from torch.amp.grad_scaler import GradScaler
     from torch.optim.lr_scheduler import LRScheduler, SequentialLR

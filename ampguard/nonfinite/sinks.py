@@ -633,15 +633,19 @@ def kind(module: Any) -> str | None:
     cls = type(module)
     if cls in _kinds:
         return _kinds[cls]
-    wrappers = tuple(getattr(sys.modules[m], name) for m, name in _WRAPPERS if m in sys.modules)
-    metrics = tuple(getattr(sys.modules[m], name) for m, name in _METRICS if m in sys.modules)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    fx = sys.modules.get("torch.fx.graph_module")
-    result = "wrapper" if wrappers and issubclass(cls, wrappers) else \
-        "compiled" if eval_frame is not None and issubclass(cls, eval_frame.OptimizedModule) else \
-        "metric" if metrics and issubclass(cls, metrics) else \
-        "graph" if fx is not None and issubclass(cls, fx.GraphModule) else None
-    if result != "graph":  # (fx makes a class per GraphModule: a compiled run's many graphs would stay in the cache)
+    # (None: not imported, or being imported by another thread, half made: then the answer is not kept)
+    wrappers = [getattr(sys.modules[m], name, None) for m, name in _WRAPPERS if m in sys.modules]
+    metrics = [getattr(sys.modules[m], name, None) for m, name in _METRICS if m in sys.modules]
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    graph = getattr(sys.modules.get("torch.fx.graph_module"), "GraphModule", None)
+    result = "wrapper" if any(c is not None and issubclass(cls, c) for c in wrappers) else \
+        "compiled" if compiled is not None and issubclass(cls, compiled) else \
+        "metric" if any(c is not None and issubclass(cls, c) for c in metrics) else \
+        "graph" if graph is not None and issubclass(cls, graph) else None
+    # (fx makes a class per GraphModule: a compiled run's many graphs would stay in the cache)
+    if result != "graph" and None not in wrappers and None not in metrics and \
+            (compiled is not None or "torch._dynamo.eval_frame" not in sys.modules) and \
+            (graph is not None or "torch.fx.graph_module" not in sys.modules):
         _kinds[cls] = result
     return result
 
@@ -1603,8 +1607,13 @@ def outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as run outside torch.compile (``torch._dynamo.disable``), where dynamo is loaded: a compiled
     optimizer step's hook, and the failure path, whose replay dynamo would trace, and whose eager stance it refuses
     in a compiled function's frame."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return fn if dynamo is None else dynamo.disable(fn)
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    # An import statement, not the entry in sys.modules: while another thread imports dynamo (torch imports it on
+    # first use, as in another thread's replay), the entry is there half made, and the statement waits for it.
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn)
 
 
 class _CheckedClosure:
