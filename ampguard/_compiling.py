@@ -52,8 +52,9 @@ def keep_out_of_graphs() -> Callable[[], None]:
         for code in _codes():
             skip(code)
         _marked = True
-    for call in list(_frames.CALLERS.values()):  # the loss-code record's calls made so far (later ones mark themselves)
-        skip(call.__code__)
+    for made, _ in list(_frames.CALLERS.values()):  # the record's calls made so far (later ones mark themselves)
+        if made is not None:
+            skip(made)
     return _stays
 
 

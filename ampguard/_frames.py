@@ -99,7 +99,9 @@ if sys.version_info >= (3, 11):
                                                  for b in (0x80 | 13 << 3 | min(8, _units - k) - 1, 0)))
     except Exception:  # pragma: no cover - (another line table format: the carets stay, nothing else differs)
         pass
-CALLERS: dict[tuple[int, int], Any] = {}  # (id(code), lasti) -> the call (it holds the user's code: the id stays)
+# (id(code), lasti) -> (the copy of _CALL at that line, or None where none could be made; the user's code, held so
+# that its id is not reused while it is a key)
+CALLERS: dict[tuple[int, int], tuple[Any, Any]] = {}
 MAX_CALLERS = 4096  # distinct loss-code lines; past this the cache starts again
 _NAME = "<ampguard>"
 
@@ -111,12 +113,18 @@ def from_caller(frame: Any) -> Any:
     A warning torch raises from C (``TORCH_WARN``: ``std(): degrees of freedom is <= 0``) names the Python frame
     running when it is raised, whatever its ``stacklevel``. An op that ampguard's loss-code record calls for the
     user would name ampguard's frame, and ``-W error::UserWarning:__main__`` or a filter by module would no longer
-    match it. Called through this, it names the user's line as without ampguard. One dict lookup a call."""
+    match it. Called through this, it names the user's line as without ampguard.
+
+    The code is made once per line; the function around it at each call (some 0.1 us). It holds the frame's
+    globals, and a cached one kept them alive after the code that made them was done: a script run by ``runpy`` or
+    ``exec`` (a sweep that runs its training script once per trial), with the model and data in its globals."""
+    known = CALLERS.get((id(frame.f_code), frame.f_lasti))
+    made = (known if known is not None else _remember(frame))[0]
+    return _call_here if made is None else types.FunctionType(made, frame.f_globals, _NAME)
+
+
+def _remember(frame: Any) -> tuple[Any, Any]:
     code = frame.f_code
-    key = (id(code), frame.f_lasti)
-    known = CALLERS.get(key)  # (a hot path looks here first itself)
-    if known is not None:
-        return known
     try:
         made = _CALL.replace(co_filename=code.co_filename, co_firstlineno=line_at(code, frame.f_lasti), co_name=_NAME,
                              **({"co_qualname": _NAME} if sys.version_info >= (3, 11) else {}))
@@ -124,17 +132,16 @@ def from_caller(frame: Any) -> Any:
         skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
         if skip is not None:
             skip(made)  # ampguard's frame: never compiled as one of its own at a graph break (see _compiling)
-        call = types.FunctionType(made, frame.f_globals, _NAME)
-        call.code = code  # (held: while cached, its id is not reused)
     except Exception:  # (an interpreter whose code objects differ): the op is called as before, only the place differs
         logging.getLogger("ampguard").debug("ampguard: no call frame for %s", code.co_filename, exc_info=True)
-        call = _call_here
+        made = None
     if len(CALLERS) >= MAX_CALLERS:  # (loss code made anew at every step, by exec): start again, holding nothing
-        for old in CALLERS.values():
-            _internal_code.pop(id(old.__code__), None)
+        for old, _ in CALLERS.values():
+            if old is not None:
+                _internal_code.pop(id(old), None)
         CALLERS.clear()
-    CALLERS[key] = call
-    return call
+    known = CALLERS[(id(code), frame.f_lasti)] = (made, code)
+    return known
 
 
 def _call_here(func: Any, args: tuple, kwargs: dict) -> Any:

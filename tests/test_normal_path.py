@@ -306,6 +306,32 @@ def test_an_error_the_loop_catches_holds_nothing_of_the_failed_step_after_its_ex
     assert [(batch() is None, loss() is None) for batch, loss in refs] == [(True, True)] * 3
 
 
+def test_a_script_run_once_per_trial_leaves_nothing_of_its_globals_behind(tmp_path):
+    """A sweep that runs its training script once per trial (``runpy.run_path``), the model and data in the script's
+    globals. The loss-code record calls C ops through a function bound to the calling frame's globals, and its cache
+    of those functions kept every trial's globals alive, with the model in them."""
+    import runpy
+
+    script = tmp_path / "trial.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(8, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    loss = model(torch.randn(4, 8)).pow(2).mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    ampguard.install()
+    refs = []
+    for _ in range(3):
+        namespace = runpy.run_path(str(script))
+        refs.append(weakref.ref(namespace["model"]))
+        del namespace
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
+
+
 class TakesMany(torch.nn.Module):
     """A model called with a batch, a mask in a list, a number, a parameter and another call's output."""
 

@@ -52,7 +52,6 @@ from typing import Any
 from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._fallback import fail_safe, internal_failure
-from .._frames import CALLERS as _CALLERS
 from .._frames import first_user, first_user_past, from_caller, warn_at_user
 from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
@@ -1083,8 +1082,7 @@ def _make_tape() -> Any:
             if type(func) is _PY_FUNCTION:
                 out = func(*args, **kwargs)
             else:  # a C function (Tensor.std) warns from the running frame: one that reads as the caller's
-                call = _CALLERS.get((id(caller.f_code), caller.f_lasti))
-                out = (call or from_caller(caller))(func, args, kwargs)
+                out = from_caller(caller)(func, args, kwargs)
             t = _here.state
             if not t.taping or t.replaying or _transformed():
                 return out
