@@ -308,20 +308,29 @@ def test_an_error_the_loop_catches_holds_nothing_of_the_failed_step_after_its_ex
 
 def test_a_script_run_once_per_trial_leaves_nothing_of_its_globals_behind(tmp_path):
     """A sweep that runs its training script once per trial (``runpy.run_path``), the model and data in the script's
-    globals. The loss-code record calls C ops through a function bound to the calling frame's globals, and its cache
-    of those functions kept every trial's globals alive, with the model in them."""
+    globals. Three caches kept every trial's globals alive, with the model in them: the loss-code record's functions
+    bound to the calling frame's globals, the kind of each module class (a class holds its module's globals through
+    its methods) and, in the last trial's evaluation call, the class of a module held weakly."""
     import runpy
 
     script = tmp_path / "trial.py"
     script.write_text(
         "import torch\n"
-        "model = torch.nn.Linear(8, 1)\n"
+        "class Net(torch.nn.Module):\n"  # (a class of the script's: its methods hold the script's globals)
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(8, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x)\n"
+        "model = Net()\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "for _ in range(2):\n"
         "    loss = model(torch.randn(4, 8)).pow(2).mean()\n"
         "    loss.backward()\n"
         "    opt.step()\n"
-        "    opt.zero_grad()\n")
+        "    opt.zero_grad()\n"
+        "with torch.no_grad():\n"
+        "    model.eval()(torch.randn(2, 8))\n")
     ampguard.install()
     refs = []
     for _ in range(3):

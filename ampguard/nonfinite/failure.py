@@ -59,7 +59,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     window, losses, transformed = T.window, T.losses, T.transformed
     T.pending = [q for q in T.pending if q.guard is not g]
     sinks._clear_window()
-    if not _first_time(g, (p.sink, p.call.module_type if p.call is not None else None)):
+    module = p.call.module if p.call is not None else None
+    if not _first_time(g, (p.sink, type(module) if module is not None else p.call.module_name if p.call else None)):
         return  # warn mode replays once per sink and module
     T.repro_origin = None
     T.transformed = transformed  # (the window's, for the message, while it is built)

@@ -478,7 +478,7 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
             return
         module = event.module
         if module is None:
-            freed = Freed(f"module '{event.module_type.__name__}', called without grad, was freed before the check")
+            freed = Freed(f"module '{event.module_name}', called without grad, was freed before the check")
             freed.advice = ("ampguard holds a module called without grad (evaluation, prediction) no longer than "
                             "you do: keep it referenced until the check (the next call of the same module) to have the "
                             "call replayed")

@@ -133,22 +133,24 @@ class Call:
         return module() if type(module) is _ModuleRef else module
 
     @property
-    def module_type(self) -> type:
-        """The called module's class, also once it is gone (for messages)."""
+    def module_name(self) -> str:
+        """The name of the called module's class, also once the module is gone (for messages)."""
         module = self._module
-        return module.cls if type(module) is _ModuleRef else type(module)
+        return module.name if type(module) is _ModuleRef else type(module).__name__
 
 
 class _ModuleRef(weakref.ref):
     """How a call without grad (evaluation, inference) holds its module: weakly, as it holds its inputs. No step
     reads its window, which stays until the next read, and a script that evaluates a model, drops it and loads the
-    next one had both in memory at once. A replay that needs a dropped module says so."""
+    next one had both in memory at once. A replay that needs a dropped module says so. It keeps the name of the
+    module's class, not the class: a class holds its module's globals through its methods, and a script that runpy
+    or exec runs once per trial has its model in them."""
 
-    __slots__ = ("cls",)
+    __slots__ = ("name",)
 
     def __init__(self, module: Any) -> None:
         super().__init__(module)
-        self.cls = type(module)
+        self.name = type(module).__name__
 
 
 class TapeOp:
@@ -433,7 +435,8 @@ def finite(tensor: Any) -> bool:
         return bool(_torch.isfinite(stored(tensor.detach())).all())
 
 
-_readable: dict[type, str | None] = {}  # tensor subclass -> None if a sink can take its status, else why not
+# tensor subclass -> (None,) if a sink can take its status, else (why not,). Held weakly, as _kinds is.
+_readable: _guard.ObjectState[tuple] = _guard.ObjectState(lambda cls: (None,))
 
 
 def unreadable(tensor: Any) -> str | None:
@@ -444,15 +447,16 @@ def unreadable(tensor: Any) -> str | None:
     cls = type(tensor)
     if cls is _Tensor:
         return None
-    if cls not in _readable:
+    known = _readable.get(cls)
+    if known is None:
         try:
             with _torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (the class's own "not implemented" warning: ampguard's probe)
                 norm(tensor)
-            _readable[cls] = None
+            known = _readable.set(cls, (None,))
         except Exception as exc:
-            _readable[cls] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0].rstrip(':')}"
-    return _readable[cls]
+            known = _readable.set(cls, (f"{type(exc).__name__}: {str(exc).strip().splitlines()[0].rstrip(':')}",))
+    return known[0]
 
 
 def watched(g: _guard.Guard, tensor: Any) -> bool:
@@ -621,7 +625,9 @@ _WRAPPERS = (("torch.nn.parallel.distributed", "DistributedDataParallel"),
              ("lightning_fabric.wrappers", "_FabricModule"))
 # torchmetrics' metrics are modules that measure, and do not train (see _metric_forward)
 _METRICS = (("torchmetrics.metric", "Metric"), ("torchmetrics.collections", "MetricCollection"))
-_kinds: dict[type, str | None] = {}
+# module class -> (its kind,). Held weakly: a class defined by a script that runpy or exec runs once per trial holds,
+# through its methods, that run's globals (its model, its data).
+_kinds: _guard.ObjectState[tuple] = _guard.ObjectState(lambda cls: (None,))
 
 
 def kind(module: Any) -> str | None:
@@ -630,8 +636,9 @@ def kind(module: Any) -> str | None:
     or collection of them; 'graph' for an fx GraphModule (see :func:`_compiled_graph_call`); None otherwise. Once per
     class, a GraphModule's aside: a class of a module imported later cannot be a subclass of that module's classes."""
     cls = type(module)
-    if cls in _kinds:
-        return _kinds[cls]
+    known = _kinds.get(cls)
+    if known is not None:
+        return known[0]
     # (None: not imported, or being imported by another thread, half made: then the answer is not kept)
     wrappers = [getattr(sys.modules[m], name, None) for m, name in _WRAPPERS if m in sys.modules]
     metrics = [getattr(sys.modules[m], name, None) for m, name in _METRICS if m in sys.modules]
@@ -645,7 +652,7 @@ def kind(module: Any) -> str | None:
     if result != "graph" and None not in wrappers and None not in metrics and \
             (compiled is not None or "torch._dynamo.eval_frame" not in sys.modules) and \
             (graph is not None or "torch.fx.graph_module" not in sys.modules):
-        _kinds[cls] = result
+        _kinds.set(cls, (result,))
     return result
 
 
@@ -896,7 +903,7 @@ def output_words(call: Call, key: Any) -> str:
     """An output sink's name in messages (made only when a failure needs it)."""
     module = call.module
     if module is None:  # (a call without grad whose module the user dropped before the read)
-        name = call.module_type.__name__
+        name = call.module_name
     else:
         name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
     return f"output of module '{name}'" + (f" (output {key!r})" if len(call.outputs) > 1 else "")
@@ -1041,7 +1048,7 @@ def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
             continue
         warned.add(cls)
         warn_at_user(f"ampguard: an output of {type(module).__name__} is a {cls.__module__}.{cls.__qualname__}, "
-                     f"whose status torch cannot compute ({_readable[cls]}): outputs of that class are not checked "
+                     f"whose status torch cannot compute ({unreadable(o)}): outputs of that class are not checked "
                      "for NaN. A loss computed from them and the gradients still are.")
 
 
