@@ -6,6 +6,7 @@ import copy
 import gc
 import math
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -306,11 +307,13 @@ def test_an_error_the_loop_catches_holds_nothing_of_the_failed_step_after_its_ex
     assert [(batch() is None, loss() is None) for batch, loss in refs] == [(True, True)] * 3
 
 
-def test_a_script_run_once_per_trial_leaves_nothing_of_its_globals_behind(tmp_path):
+@pytest.mark.parametrize("nonfinite", ["raise", "warn"])
+def test_a_script_run_once_per_trial_leaves_nothing_of_its_globals_behind(tmp_path, nonfinite):
     """A sweep that runs its training script once per trial (``runpy.run_path``), the model and data in the script's
-    globals. Three caches kept every trial's globals alive, with the model in them: the loss-code record's functions
+    globals. Four caches kept every trial's globals alive, with the model in them: the loss-code record's functions
     bound to the calling frame's globals, the kind of each module class (a class holds its module's globals through
-    its methods) and, in the last trial's evaluation call, the class of a module held weakly."""
+    its methods), in the last trial's evaluation call the class of a module held weakly, and in warn mode the
+    classes already warned about."""
     import runpy
 
     script = tmp_path / "trial.py"
@@ -330,15 +333,23 @@ def test_a_script_run_once_per_trial_leaves_nothing_of_its_globals_behind(tmp_pa
         "    opt.step()\n"
         "    opt.zero_grad()\n"
         "with torch.no_grad():\n"
-        "    model.eval()(torch.randn(2, 8))\n")
-    ampguard.install()
-    refs = []
+        "    if POISON:\n"
+        "        model.fc.bias.fill_(float('nan'))\n"
+        "    model.eval()(torch.randn(2, 8))\n"
+        "    model.fc.bias.fill_(0.0)\n"
+        "    model(torch.randn(2, 8))\n")  # (the read of the call before; finite: it holds nothing)
+    ampguard.install(nonfinite=nonfinite)
+    refs, warned = [], []
     for _ in range(3):
-        namespace = runpy.run_path(str(script))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            namespace = runpy.run_path(str(script), init_globals={"POISON": nonfinite == "warn"})
+        warned.append(len(caught))  # (warn mode: once per sink and module class, and each trial has a class of its own)
         refs.append(weakref.ref(namespace["model"]))
         del namespace
     gc.collect()
     assert [ref() for ref in refs] == [None, None, None]
+    assert warned == ([1, 1, 1] if nonfinite == "warn" else [0, 0, 0])
 
 
 class TakesMany(torch.nn.Module):
