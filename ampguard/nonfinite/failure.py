@@ -62,8 +62,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     # (the class held weakly: a set that lasts as long as the guard would keep it, and with it the globals of the
     # script that defined it; a weak reference equals another to the same class, never one to a class since gone)
     module = p.call.module if p.call is not None else None
-    kind = weakref.ref(type(module)) if module is not None else p.call.module_name if p.call is not None else None
-    if not _first_time(g, (p.sink, kind)):
+    of = weakref.ref(type(module)) if module is not None else p.call.module_name if p.call is not None else None
+    if not _first_time(g, (p.sink, of)):
         return  # warn mode replays once per sink and module
     T.repro_origin = None
     T.transformed = transformed  # (the window's, for the message, while it is built)
