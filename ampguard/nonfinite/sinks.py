@@ -625,6 +625,9 @@ _WRAPPERS = (("torch.nn.parallel.distributed", "DistributedDataParallel"),
              ("lightning_fabric.wrappers", "_FabricModule"))
 # torchmetrics' metrics are modules that measure, and do not train (see _metric_forward)
 _METRICS = (("torchmetrics.metric", "Metric"), ("torchmetrics.collections", "MetricCollection"))
+# Each kind and the classes that make it, in the order they are asked: a compiled wrapper is a wrapper
+_KINDS = (("wrapper", _WRAPPERS), ("compiled", (("torch._dynamo.eval_frame", "OptimizedModule"),)),
+          ("metric", _METRICS), ("graph", (("torch.fx.graph_module", "GraphModule"),)))
 # module class -> (its kind,). Held weakly: a class defined by a script that runpy or exec runs once per trial holds,
 # through its methods, that run's globals (its model, its data).
 _kinds: _guard.ObjectState[tuple] = _guard.ObjectState(lambda cls: (None,))
@@ -639,19 +642,15 @@ def kind(module: Any) -> str | None:
     known = _kinds.get(cls)
     if known is not None:
         return known[0]
-    # (None: not imported, or being imported by another thread, half made: then the answer is not kept)
-    wrappers = [getattr(sys.modules[m], name, None) for m, name in _WRAPPERS if m in sys.modules]
-    metrics = [getattr(sys.modules[m], name, None) for m, name in _METRICS if m in sys.modules]
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    graph = getattr(sys.modules.get("torch.fx.graph_module"), "GraphModule", None)
-    result = "wrapper" if any(c is not None and issubclass(cls, c) for c in wrappers) else \
-        "compiled" if compiled is not None and issubclass(cls, compiled) else \
-        "metric" if any(c is not None and issubclass(cls, c) for c in metrics) else \
-        "graph" if graph is not None and issubclass(cls, graph) else None
-    # (fx makes a class per GraphModule: a compiled run's many graphs would stay in the cache)
-    if result != "graph" and None not in wrappers and None not in metrics and \
-            (compiled is not None or "torch._dynamo.eval_frame" not in sys.modules) and \
-            (graph is not None or "torch.fx.graph_module" not in sys.modules):
+    result, complete = None, True
+    for what, classes in _KINDS:
+        # (None: a module another thread is importing, half made: the answer is not kept)
+        found = [getattr(sys.modules[m], name, None) for m, name in classes if m in sys.modules]
+        complete = complete and None not in found
+        if any(c is not None and issubclass(cls, c) for c in found):
+            result = what
+            break
+    if complete and result != "graph":  # (fx makes a class per GraphModule: a compiled run's many would stay here)
         _kinds.set(cls, (result,))
     return result
 
