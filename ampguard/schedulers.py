@@ -308,6 +308,15 @@ def _group_members(dist: Any, group: Any, world: int) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
 
 
+def _default_store(dist: Any) -> Any:
+    """The default process group's store, where ampguard's ranks leave each other words; None in a torch without
+    one."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
 def _store_prefix(what: str, members: tuple[int, ...]) -> str:
     """Where in the process group's store ampguard keeps ``what`` for the group of ``members``."""
     return f"ampguard/{what}/{'-'.join(map(str, members[:64]))}/{len(members)}/"
@@ -330,9 +339,8 @@ def _every_rank_guarded(dist: Any, group: Any, world: int) -> bool:
     known = _handshakes.get(key)
     if known is not None:
         return known
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # a torch without it: trust that every rank is guarded, as before
+    store = _default_store(dist)
+    if store is None:  # a torch without it: trust that every rank is guarded, as before
         return True
     prefix = _store_prefix("handshake", _group_members(dist, group, world))
     arrived = int(store.add(prefix + "arrived", 1))
@@ -446,10 +454,7 @@ def _verdicts(ranks: _Ranks, mine: BaseException | None) -> dict[int, dict]:
     _rounds[key] = round_ = _rounds.get(key, 0) + 1
     members = _group_members(dist, ranks.group, ranks.world)
     prefix = f"{_store_prefix('failed', members)}{round_}/"
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # (no store: the other ranks' messages say less)
-        store = None
+    store = _default_store(dist)  # (None: the other ranks' messages say less)
     said_here = False  # whether this rank's words are in the store: its verdict says so (2, else 1)
     if mine is not None and store is not None:
         try:
