@@ -221,8 +221,8 @@ _last_rank = ""  # the label while the process group was last up (see _remember_
 def _live_rank_label() -> str:
     """`` (rank 1 of 2)`` while a process group of more than one rank is up, else ""."""
     try:
-        dist = _sync.process_group()
-        if dist is not None and dist.get_world_size() > 1:
+        if _sync.distributed():
+            dist = _sync.process_group()
             return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
     except Exception:
         pass
