@@ -359,12 +359,12 @@ def module_state(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return state
     try:
         ids = H.ids
+        state = dict(state)  # (a copy: the state may be the module's own __dict__)
         for name, which in _HOOK_DICTS:
             hooks = state.get(name)
             if hooks is not None and ids[which] in hooks:
-                hooks = hooks.copy()
+                state[name] = hooks = hooks.copy()
                 del hooks[ids[which]]
-                state = {**state, name: hooks}  # (a copy: the state may be the module's own __dict__)
     except Exception as exc:
         internal_failure("nonfinite", exc)
     return state
