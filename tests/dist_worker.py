@@ -396,6 +396,32 @@ def collective_in_backward(rank):
     return _steps_then_a_collective(rank, model, batch)
 
 
+def teacher_nan_on_one_rank(rank):
+    """Distillation under DDP: a frozen teacher called under no_grad, whose output is NaN on rank 1 only. On the CPU
+    that NaN is known as the teacher's call returns; raised there, rank 1 would stop before backward() while rank 0
+    waited for it in DDP's all-reduce. Both stop at the step's read instead."""
+    import ampguard
+
+    ampguard.install()
+    torch.manual_seed(0)
+    teacher = torch.nn.Linear(4, 2).eval()
+    student = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    if rank == 1:
+        with torch.no_grad():
+            teacher.bias[0] = float("nan")
+    x = torch.randn(3, 4)
+    try:
+        with torch.no_grad():
+            target = teacher(x)
+        reached = "backward"
+        torch.nn.functional.mse_loss(student(x), target).backward()
+        opt.step()
+        return {"error": None}
+    except ampguard.NonFiniteError as err:
+        return {"sink": err.sink, "reached": reached if "reached" in locals() else "teacher"}
+
+
 def verdict_without_words(rank):
     """Rank 1 fails and its words never reach the store (their write raises: here, an error that cannot be said).
     Rank 0 learns of the failure from the verdicts alone, at once: a get of the key never set would wait for the
@@ -425,7 +451,7 @@ SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_back
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),
              "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1"),
-             "verdict_without_words": verdict_without_words}
+             "verdict_without_words": verdict_without_words, "teacher_nan_on_one_rank": teacher_nan_on_one_rank}
 
 
 class Blocks(torch.nn.Module):

@@ -66,6 +66,14 @@ def test_nan_inside_a_ddp_model_names_the_op_and_the_module_on_every_rank(python
     assert r0["ops"][0] == "Sequential"  # the wrapped module is the call replayed, never DDP
 
 
+def test_a_teachers_nan_output_on_one_rank_is_raised_where_every_rank_reads(python):
+    """On the CPU a no_grad call's NaN output is raised by that call, except in a distributed run: there rank 1
+    would stop at its teacher's call and leave rank 0 waiting in DDP's all-reduce (here: crashed as rank 1 left)."""
+    r0, r1 = run_ranks(python, "teacher_nan_on_one_rank")  # no crash, within run_ranks' 120 s
+    assert r0["reached"] == r1["reached"] == "backward"
+    assert r1["sink"] == "output of module 'Linear'" and r0["sink"] is not None
+
+
 @pytest.mark.parametrize("scenario", ["nan_loss_scaler", "nan_loss_scaler_accumulating", "nan_loss_accumulating"])
 def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_read_and_none_waits(python, scenario):
     """A corrupt sample on rank 1 only. Before, rank 1 raised alone (at update(), or at its next micro-batch's call)

@@ -202,9 +202,8 @@ def test_a_nan_in_a_dataclass_output_of_an_evaluation_is_reported():
         model.head.bias[1] = float("nan")
     x = torch.randn(3, 4)
     with ampguard.guard(), torch.no_grad():
-        model(x)
         with pytest.raises(ampguard.NonFiniteError) as info:
-            ampguard.nonfinite.check()
+            model(x)  # (on the CPU an evaluation's NaN output is known, and raised, by the call that made it)
     assert "output of module 'ReturnsADataclass' (output 'logits')" in str(info.value), str(info.value)
     assert "parameter 'head.bias'" in str(info.value), str(info.value)
 
@@ -236,9 +235,8 @@ def test_a_nested_tensor_output_is_checked_and_its_origin_named(layout):
             for _ in range(3):
                 encoder(batch)
         encoder.proj.bias[1] = float("nan")
-        encoder(batch)
         with pytest.raises(ampguard.NonFiniteError) as info:
-            encoder(batch)  # (an evaluation's output is read at the module's next call)
+            encoder(batch)  # (on the CPU an evaluation's NaN output is known, and raised, by the call that made it)
     message = str(info.value)
     assert "NaN reached the output of module 'RaggedEncoder'" in message, message
     assert "parameter 'proj.bias'" in message and "could not replay" not in message, message
@@ -272,7 +270,6 @@ def test_a_float8_output_is_checked_and_its_origin_named(dtype):
         for _ in range(3):
             cache(x)
         cache.proj.bias[2] = float("nan")
-        cache(x)
         with pytest.raises(ampguard.NonFiniteError) as info:
             cache(x)
     message = str(info.value)
@@ -296,7 +293,6 @@ def test_a_onednn_output_is_checked():
             warnings.simplefilter("error", ampguard.AmpGuardWarning)
             model(x)
         model.proj.bias[0] = float("nan")
-        model(x)
         with pytest.raises(ampguard.NonFiniteError) as info:
             model(x)
     assert "parameter 'proj.bias'" in str(info.value), str(info.value)
@@ -315,7 +311,6 @@ def test_an_output_whose_status_torch_cannot_compute_is_left_unchecked_with_one_
                 model(x)
         assert len([w for w in seen if issubclass(w.category, ampguard.AmpGuardWarning)]) == 1
         model.proj.bias[0] = float("nan")
-        model(x)
         with pytest.raises(ampguard.NonFiniteError) as info:
             model(x)
     assert "output of module 'TwoHeads'" in str(info.value) and "parameter 'proj.bias'" in str(info.value)

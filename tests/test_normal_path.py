@@ -724,11 +724,78 @@ def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once
     x = torch.randn(4, 8)  # under no_grad ampguard holds no input: a replay needs the user's
     with torch.no_grad():
         model.head.bias[0] = float("nan")
-        model(x).argmax(-1)  # status taken when made; the output is not held
-        with pytest.raises(ampguard.NonFiniteError) as info:
-            model(x)  # the next call of the same module reads it
+        if read_path == "host":
+            with pytest.raises(ampguard.NonFiniteError) as info:
+                model(x).argmax(-1)  # known when made, on the CPU: raised by this call
+        else:
+            model(x).argmax(-1)  # status taken when made; the output is not held
+            with pytest.raises(ampguard.NonFiniteError) as info:
+                model(x)  # the next call of the same module reads it
     assert info.value.sink == "output of module 'Net'"
     assert "parameter 'head.bias'" in str(info.value)
+
+
+def test_an_evaluation_loop_raises_at_the_batch_whose_output_is_nan():
+    """On the CPU a no_grad call's NaN output is known as the call returns: the call raises, so the loop's batch in
+    a traceback or a post-mortem debugger is the bad one (before, the next batch's call raised, and showed that one)."""
+    ampguard.install()
+    model = Net().eval()
+    batches = [torch.randn(4, 8) for _ in range(4)]
+    batches[2][1, 3] = float("nan")
+    seen = []
+    with torch.no_grad(), pytest.raises(ampguard.NonFiniteError) as info:
+        for i, batch in enumerate(batches):
+            seen.append(i)
+            model(batch)
+    assert seen == [0, 1, 2]
+    assert "argument 0 of the call of 'Net'" in str(info.value), str(info.value)
+
+
+def test_a_thread_that_calls_the_model_once_raises_on_its_nan_output():
+    """A thread per request (a web handler calling the model once and returning). Its check was read at that
+    thread's next call of the model, which never came: the NaN was served. On the CPU the call raises."""
+    import threading
+
+    ampguard.install()
+    model = Net().eval()
+    results = []
+
+    def handle(batch):
+        try:
+            with torch.inference_mode():
+                results.append(model(batch).argmax(-1).tolist())
+        except ampguard.NonFiniteError as exc:
+            results.append(exc.sink)
+
+    for poisoned in (False, True, False):
+        batch = torch.randn(2, 8)
+        if poisoned:
+            batch[0, 0] = float("nan")
+        worker = threading.Thread(target=handle, args=(batch,))
+        worker.start()
+        worker.join()
+    assert [type(r) for r in results] == [list, str, list] and results[1] == "output of module 'Net'", results
+
+
+def test_warn_mode_warns_once_for_a_teachers_nan_that_reaches_the_loss():
+    """Warn mode reads a no_grad call's NaN with the step it belongs to: the teacher's output is named once, as the
+    first value made of those that failed. Read as the teacher returned, the loss would then warn again, with its
+    origin lost (the window gone)."""
+    ampguard.install(nonfinite="warn")
+    teacher, student = Net().eval(), Net()
+    with torch.no_grad():
+        teacher.head.bias[0] = float("nan")
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            target = teacher(x)
+        torch.nn.functional.mse_loss(student(x), target).backward()
+        opt.step()
+    said = [str(w.message) for w in seen if issubclass(w.category, ampguard.AmpGuardWarning)]
+    assert len(said) == 1 and "NaN reached the output of module 'Net'" in said[0], said
+    assert "parameter 'head.bias'" in said[0], said[0]
 
 
 class Scores(torch.nn.Module):
@@ -1163,7 +1230,7 @@ def test_a_corrupt_sample_transformed_in_the_main_process_is_named_as_the_models
 
 def test_an_inference_loop_holds_one_batch_and_still_names_a_nan_output():
     """Each batch of a no_grad loop ends the one before (finite outputs are read as they are made, so no read is
-    left to make), and a NaN output is still read at the next call and named by its replay."""
+    left to make), and a NaN output, known as it is made, is raised by that call and named by its replay."""
     ampguard.install()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -1172,9 +1239,8 @@ def test_an_inference_loop_holds_one_batch_and_still_names_a_nan_output():
             model(torch.randn(4, 8))
             assert [type(e) for e in sinks.T.window] == [sinks.Call] and sinks.T.pending == []
         model[2].bias[1] = float("nan")
-        model(torch.randn(4, 8))
-        assert len(sinks.T.pending) == 1  # known at once, read at the next call of the model
         with pytest.raises(ampguard.NonFiniteError) as caught:
             model(torch.randn(4, 8))
+        assert sinks.T.pending == [] and sinks.T.window == []  # nothing left for the next call to read
     message = str(caught.value)
     assert "parameter '2.bias'" in message and "inside torch.linear in module '2'" in message

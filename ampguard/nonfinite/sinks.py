@@ -997,9 +997,10 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
             keep = keep or (value is not None and value != value and not training)  # (a NaN, known now)
             pending.append(Pending(g, None, True, [], ref, call, key=k, status=status))
     if keep and index >= 0:
-        # A NaN output on the CPU, known at once: hold this call's data until the read (the next call of the
-        # module), so that the replay can run it. Evaluation loops free each batch before the next call; on a
-        # device the read is that next call's, and the batch, not held, is gone (the message says so).
+        # A NaN output on the CPU, known at once: hold this call's data until the read (below, or where warn and
+        # skip modes and a distributed run read: the next call of the module at the latest), so that the replay can
+        # run it. Evaluation loops free each batch before the next call; on a device the read is that next call's,
+        # and the batch, not held, is gone (the message says so).
         call.args = weak(args, True)
         call.kwargs = weak(kwargs, True) if kwargs else kwargs
         call._module = module
@@ -1010,6 +1011,12 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         end_tape(t)
     if skipped:
         _warn_unreadable(g, module, skipped)
+    if keep and g.options.nonfinite == "raise" and not (g.options.distributed and _sync.distributed()):
+        # Raised by the call that made it: the loop's batch in a post-mortem is the bad one, and a thread that calls
+        # the model once and ends (a request) still raises. Warn and skip modes read it with the step it belongs to
+        # (a teacher's NaN is then one warning, not one more for the loss it reaches), and a distributed run where
+        # every rank reads together.
+        check()
 
 
 def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
