@@ -410,7 +410,7 @@ def teacher_nan_on_one_rank(rank):
     if rank == 1:
         with torch.no_grad():
             teacher.bias[0] = float("nan")
-    x = torch.randn(3, 4)
+    x, reached = torch.randn(3, 4), "teacher"
     try:
         with torch.no_grad():
             target = teacher(x)
@@ -419,7 +419,7 @@ def teacher_nan_on_one_rank(rank):
         opt.step()
         return {"error": None}
     except ampguard.NonFiniteError as err:
-        return {"sink": err.sink, "reached": reached if "reached" in locals() else "teacher"}
+        return {"sink": err.sink, "reached": reached}
 
 
 def verdict_without_words(rank):
