@@ -793,7 +793,7 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
         drop(g)
     if (t.pending or t.window) and (t.backward_since_read or _new_batch(t, module, grad)):
         if t.backward_since_read and grad and module.training and not _new_batch(t, module, grad) and \
-                (_on_a_device(t.pending) or (g.options.distributed and _sync.distributed())) and \
+                (_on_a_device(t.pending) or _read_by_every_rank(g)) and \
                 not _gradients_set_to_none(t.window):
             # gradient accumulation on a device: read at the step, one sync for all. In a distributed run too: there
             # every rank reads together, where one that stopped here alone would leave the others waiting in the
@@ -820,6 +820,12 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
         return outermost.OUTERMOST_KEEP_HOOKS
     t.eager = False
     return outermost.OUTERMOST
+
+
+def _read_by_every_rank(g: _guard.Guard) -> bool:
+    """Whether checks are read where every rank reads together (a distributed run, the option on): a rank that
+    stopped earlier alone would leave the others waiting in their next collective (the backward's all-reduce)."""
+    return g.options.distributed and _sync.distributed()
 
 
 def _compiled_graph_call(frame: Any) -> bool:
@@ -1011,7 +1017,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         end_tape(t)
     if skipped:
         _warn_unreadable(g, module, skipped)
-    if keep and g.options.nonfinite == "raise" and not (g.options.distributed and _sync.distributed()):
+    if keep and g.options.nonfinite == "raise" and not _read_by_every_rank(g):
         # Raised by the call that made it: the loop's batch in a post-mortem is the bad one, and a thread that calls
         # the model once and ends (a request) still raises. Warn and skip modes read it with the step it belongs to
         # (a teacher's NaN is then one warning, not one more for the loss it reaches), and a distributed run where
