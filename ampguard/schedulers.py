@@ -14,6 +14,9 @@ Patch targets (each undone by the registry, which restores the exact original):
   ``get_scale()`` before and after is not.
 - ``LRScheduler.step`` and overrides: held (not executed) when its optimizer had at least one
   skipped step and no applied step since this scheduler's last executed step.
+
+A skipped step leaves the optimizer as it was, except one of torch's: the first step of a fused SGD with momentum
+stores momentum buffers that its kernel never wrote. ``update()`` takes them out (see :func:`_fresh_momentum`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class OptimizerRecord:
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
     ref: weakref.ref | None = None  # the optimizer, weakly (made once: each step's _PendingStep holds it)
+    fresh_momentum_said: bool = False  # the warning of _undo_fresh_momentum, once per optimizer
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +58,7 @@ class _PendingStep:
     found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
     ran: bool | None  # whether its step() ran, where that is the scaler's decision (non-fused): no read
     record: OptimizerRecord
+    fresh: list | None = None  # a fused SGD's momentum buffers this step made: see _fresh_momentum
 
 
 @dataclasses.dataclass
@@ -70,6 +75,7 @@ class ScalerRecord:
     after: tuple | None = None
     next: tuple[float, float] | None = None  # (scale, tracker) this update() makes, once predicted
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
+    momentum_undone: list[OptimizerRecord] = dataclasses.field(default_factory=list)  # to be said after update()
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
 
 
@@ -96,10 +102,16 @@ def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     ran = _RAN
     ran.optimizer = None
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    fresh = None
+    if _is_sgd(optimizer):
+        try:
+            fresh = _fresh_momentum(optimizer)
+        except Exception as exc:
+            internal_failure(FEATURE, exc)
     result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
-        optimizer = args[0] if args else kwargs["optimizer"]
-        _remember_step(g, instance, optimizer, ran.optimizer is optimizer)
+        _remember_step(g, instance, optimizer, ran.optimizer is optimizer, fresh)
     except Exception as exc:
         internal_failure(FEATURE, exc)
     finally:
@@ -128,7 +140,78 @@ def _decides_by_running(optimizer: Any) -> bool:
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
-def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
+_SGD: list = []  # torch.optim.SGD, once torch.optim is imported (a GradScaler step means it is)
+
+
+def _is_sgd(optimizer: Any) -> bool:
+    if not _SGD:
+        _SGD.append(sys.modules["torch.optim"].SGD)
+    return isinstance(optimizer, _SGD[0])
+
+
+def _fresh_momentum(optimizer: Any) -> list | None:
+    """Before a GradScaler step of an SGD: the momentum buffers a fused step is about to make, as a list per param
+    group of [(parameter, whether it had a state entry)], or None.
+
+    torch's fused SGD takes a step as the first of a param group when none of its parameters with a gradient has a
+    momentum buffer. It then makes the buffers with ``empty_like`` and leaves their initialisation to the kernel,
+    which returns at once when GradScaler found inf/NaN gradients: the skipped step stores uninitialised memory as
+    the momentum, and the first applied step adds it to the weights (a NaN, an Inf or a 1e31 from the allocator).
+    An fp16 GradScaler skips its first steps while it calibrates, so this is the usual start of such a run. Found
+    here (one membership test per group once the buffers exist); undone at update() if the step was skipped."""
+    made = None
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        if not group.get("fused") or not group.get("momentum"):
+            continue
+        params = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            entry = state.get(p)
+            if entry is not None and entry.get("momentum_buffer") is not None:
+                params = None  # (not the group's first step: the kernel reads its buffers, and skips leave them)
+                break
+            params.append((p, entry is not None))
+        if params:
+            if made is None:
+                made = []
+            made.append(params)
+    return made
+
+
+def _undo_fresh_momentum(optimizer: Any, fresh: list) -> None:
+    """A skipped fused SGD step that made momentum buffers: take them out, so that the optimizer's state is what
+    it was before the step, as after a skipped step of any other optimizer, and the first applied step makes them
+    from its gradients."""
+    state = optimizer.state
+    for params in fresh:
+        for p, had_entry in params:
+            entry = state.get(p)
+            if entry is None:
+                continue
+            entry.pop("momentum_buffer", None)
+            if not entry and not had_entry:
+                del state[p]
+
+
+def _say_fresh_momentum_undone(g: Guard, record: ScalerRecord) -> None:
+    """Once per optimizer, after update() has run: the same run without ampguard trains on uninitialised memory."""
+    undone, record.momentum_undone = record.momentum_undone, []
+    for opt_record in undone:
+        optimizer = opt_record.ref() if opt_record.ref is not None else None
+        if optimizer is None or opt_record.fresh_momentum_said:
+            continue
+        opt_record.fresh_momentum_said = True
+        warn_at_user(
+            f"ampguard: GradScaler skipped the first step of {g.name_of(optimizer)} (SGD with fused=True and "
+            "momentum), and torch's fused SGD stores the momentum buffers of such a step uninitialised (made with "
+            "empty_like, never written when the kernel skips). ampguard took them out, so the first applied step "
+            "starts the momentum from its gradients, as SGD(fused=False) does. Without ampguard that step adds "
+            "uninitialised memory to the weights. Fix: construct the SGD without fused=True.")
+
+
+def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool, fresh: list | None = None) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = list(state["found_inf_per_device"].values()) if state else None
     if not found:
@@ -139,7 +222,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool) -> None:
     if record.pending:  # several optimizers, or one stepped twice in an iteration: the latest step stands
         record.pending = [p for p in record.pending if p.optimizer() is not optimizer]
     record.pending.append(_PendingStep(opt_record.ref, found, ran if _decides_by_running(optimizer) else None,
-                                       opt_record))
+                                       opt_record, fresh))
     owner = opt_record.scaler
     if owner is None or owner() is not scaler:
         opt_record.scaler = weakref.ref(scaler)
@@ -164,6 +247,8 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     except Exception as exc:
         internal_failure(FEATURE, exc)
     result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
+    if record is not None and record.momentum_undone:
+        _say_fresh_momentum_undone(g, record)  # (a warning turned into an error is the user's: raised from here)
     if found is not None:
         raise found.with_traceback(None) from None
     try:
@@ -234,6 +319,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
             opt_record.skipped += 1
             stats.optimizer_steps_skipped += 1
             record.iteration_skipped.append(g.name_of(optimizer))
+            if p.fresh:
+                _undo_fresh_momentum(optimizer, p.fresh)
+                record.momentum_undone.append(opt_record)
         else:
             opt_record.applied += 1
             stats.optimizer_steps_applied += 1
@@ -734,7 +822,8 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_step_counter, "count optimi
 
 for _name, _wrapper, _why in (
     ("step", _scaler_step, "remember which optimizer was stepped and the scaler's found_inf for it"),
-    ("update", _scaler_update, "read found_inf before update() consumes it; count skips; detect collapse"),
+    ("update", _scaler_update, "read found_inf before update() consumes it; count skips; detect collapse; take "
+     "out the uninitialised momentum a skipped first step of a fused SGD leaves"),
 ):
     REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why, feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.optim.lr_scheduler:LRScheduler", "step", _scheduler_step,

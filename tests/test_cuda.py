@@ -309,6 +309,43 @@ def test_two_optimizers_fused_and_foreach_on_one_cuda_scaler_hold_only_the_skipp
     assert g.stats.optimizer_steps_skipped == 2 and g.stats.optimizer_steps_applied == 8
 
 
+def test_fused_sgd_on_cuda_whose_first_fp16_step_is_skipped_trains_as_the_for_loop_sgd():
+    """The CUDA kernel of torch's fused SGD, like the CPU one, never writes the momentum buffers of a first step it
+    skips: they hold what the caching allocator last kept there (a report had inf in them: an overflowed gradient's
+    memory). A later skip must leave the buffers as they are, on this kernel too."""
+    ampguard.install()
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(DEV)
+        kind = {"fused": True} if fused else {"foreach": False}
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, **kind)
+        scaler = torch.amp.GradScaler(DEV)
+        hook = Overflow(m[0].weight, {0, 4})
+        g = torch.Generator(device=DEV).manual_seed(1)
+        for i in range(8):
+            hook.i = i
+            x = torch.randn(32, 16, device=DEV, generator=g)
+            with torch.autocast(DEV, dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if i == 4:
+                before = [opt.state[p]["momentum_buffer"].clone() for p in m.parameters()]
+            scaler.step(opt)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ampguard.AmpGuardWarning)
+                scaler.update()
+            if i == 0:
+                assert not opt.state  # the skipped first step left no buffer
+            if i == 4:
+                after = [opt.state[p]["momentum_buffer"] for p in m.parameters()]
+                assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # the later skip: as it was
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_fp16_parameters_with_adams_default_eps_warn_once_on_cuda():
     ampguard.install(nonfinite="off")
     torch.manual_seed(0)

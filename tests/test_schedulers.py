@@ -516,3 +516,94 @@ def _own_step(opt):
         return step(*args, **kwargs)
 
     return own_step
+
+
+# -- torch's fused SGD on a skipped first step ------------------------------------------------------
+def fused_sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+
+
+def one_skipped_step(m, opt, scaler, i=0):
+    """One GradScaler iteration of ``m`` whose gradients overflow."""
+    hook = Overflow(m[0].weight, {i})
+    hook.i = i
+    x, y = data(i)
+    scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    hook.iterations = set()
+    opt.zero_grad()
+
+
+def test_without_ampguard_a_skipped_first_step_of_fused_sgd_stores_uninitialised_momentum():
+    # torch makes the buffers with empty_like and its kernel returns before writing them when found_inf is set
+    m = model()
+    opt = fused_sgd(m.parameters())
+    one_skipped_step(m, opt, torch.amp.GradScaler("cpu"))
+    assert all(p.isfinite().all() for p in m.parameters())  # the step itself changed no weight...
+    assert [set(opt.state[p]) for p in m.parameters()] == [{"momentum_buffer"}] * 4  # ...but kept its buffers
+
+
+def test_fused_sgd_whose_first_steps_are_skipped_trains_as_if_they_never_happened():
+    """An fp16 GradScaler skips its first steps while it calibrates. Each skipped first step of a fused SGD stored
+    uninitialised memory as its momentum; the run now equals one without those iterations (ampguard undoes the
+    buffers at update()), and says once what it did."""
+    assert_same_run(lambda_warmup, (0, 1, 5), make_opt=fused_sgd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaled_loop(lambda_warmup, 3, (0, 1), make_opt=fused_sgd)  # (another optimizer: its own notice)
+    said = [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+    assert len(said) == 1  # two skipped first steps, one notice
+    assert "of SGD#" in str(said[0].message) and "fused=True" in str(said[0].message)
+    assert said[0].filename.endswith("loops.py")  # the line that calls update()
+
+
+def test_momentum_buffers_a_fused_sgd_had_before_a_skipped_step_are_kept():
+    """A checkpoint's buffers, loaded before the first step of this process, and a later skip after applied steps:
+    the kernel reads them, and a skip leaves them; so does ampguard. A param group added after training began gets
+    its first step skipped: only its own buffers are taken out."""
+    ampguard.install()
+    m = model()
+    opt = fused_sgd(m.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(0)
+    scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    saved = opt.state_dict()
+
+    resumed = fused_sgd(m.parameters())
+    resumed.load_state_dict(saved)
+    loaded = [resumed.state[p]["momentum_buffer"].clone() for p in m.parameters()]
+    one_skipped_step(m, resumed, torch.amp.GradScaler("cpu"), i=1)
+    assert all(torch.equal(resumed.state[p]["momentum_buffer"], b) for p, b in zip(m.parameters(), loaded, strict=True))
+
+    head = torch.nn.Linear(2, 2)
+    resumed.add_param_group({"params": list(head.parameters())})
+    hook = Overflow(m[0].weight, {2})
+    hook.i = 2
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(head(m(x)).sum()).backward()
+    scaler.step(resumed)
+    with pytest.warns(ampguard.AmpGuardWarning, match="skipped the first step"):
+        scaler.update()
+    assert all(torch.equal(resumed.state[p]["momentum_buffer"], b) for p, b in zip(m.parameters(), loaded, strict=True))
+    assert all(p not in resumed.state for p in head.parameters())
+    assert ampguard.active().stats.optimizer_steps_skipped == 2
+
+
+def test_the_fused_sgd_notice_turned_into_an_error_leaves_the_update_and_the_repair_done():
+    ampguard.install()
+    m = model()
+    opt = fused_sgd(m.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ampguard.AmpGuardWarning, match="fused=True"):
+            one_skipped_step(m, opt, scaler)
+    assert not opt.state
+    assert scaler.get_scale() == 2.0**15  # update() backed the scale off before the warning came
+    assert not ampguard.active()._disabled  # the user's error, not an internal failure
+    opt.zero_grad()
+    one_skipped_step(m, opt, scaler, i=1)  # said once: no warning (and no error) again
