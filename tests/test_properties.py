@@ -34,6 +34,7 @@ OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
     "AdamW foreach": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
     "AdamW fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+    "SGD fused momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
 }
 
 
@@ -84,18 +85,43 @@ def train(run, **options):
             for opt in opts:
                 opt.zero_grad()
     warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "Tried to step" in str(w.message)]
-    return scheds, g, warned
+    return scheds, g, warned, models
+
+
+def without_the_skipped_iterations(run, j):
+    """Model ``j`` of ``run`` trained alone, plainly, on the iterations its optimizer applied (per-step schedulers)."""
+    m = model(seed=j)
+    opt = OPTIMIZERS[run["optimizers"][j]](m.parameters())
+    sched = SCHEDULERS[run["scheduler"]](opt, run["iterations"])
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(run["iterations"]):
+        if i in run["overflow"][j]:
+            continue
+        x, y = data(i)
+        scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    return m
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(runs())
 def test_schedulers_follow_applied_steps_for_any_overflow_pattern(run):
-    scheds, g, warned = train(run)
+    """Each scheduler counts its optimizer's applied steps, and (for per-step schedulers) each model ends as it would
+    had its skipped iterations never happened: a skipped step changes neither the schedule nor the optimizer's state
+    (a fused SGD's first step included)."""
+    scheds, g, warned, models = train(run)
     for j, sched in enumerate(scheds):
         assert sched.last_epoch == expected_last_epoch(run, j), (j, run)
         for inner in getattr(sched, "_schedulers", []):
             assert inner.last_epoch <= sched.last_epoch
+        if run["scheduler"] != "StepLR per epoch":
+            reference = without_the_skipped_iterations(run, j)
+            for p, q in zip(models[j].parameters(), reference.parameters(), strict=True):
+                assert torch.equal(p, q), (j, run)
     assert warned == []
     skips = sum(len(p) for p in run["overflow"])
     assert g.stats.optimizer_steps_skipped == skips
@@ -104,7 +130,7 @@ def test_schedulers_follow_applied_steps_for_any_overflow_pattern(run):
 
 def test_the_property_fails_without_holding():
     run = {"iterations": 6, "overflow": [{0, 4}], "scheduler": "LambdaLR", "optimizers": ["SGD"]}
-    scheds, _, warned = train(run, schedulers=False)
+    scheds, _, warned, _ = train(run, schedulers=False)
     assert scheds[0].last_epoch == 6 != expected_last_epoch(run, 0) == 4
     assert any("before `optimizer.step()`" in w for w in warned)
 
@@ -131,7 +157,8 @@ def scale_runs(draw):
 def test_the_loss_scale_ampguard_reports_is_the_scalers_whatever_happens(run):
     """ampguard knows the scale after update() without reading it while nothing else changed it:
     growth, backoff, new_scale and load_state_dict() must all keep it exactly the scaler's."""
-    with ampguard.guard(nonfinite=run["nonfinite"]) as g:
+    with ampguard.guard(nonfinite=run["nonfinite"]) as g, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "ampguard: GradScaler skipped the first step", ampguard.AmpGuardWarning)
         models = [model(seed=j) for j in range(len(run["optimizers"]))]
         opts = [OPTIMIZERS[kind](m.parameters()) for kind, m in zip(run["optimizers"], models, strict=True)]
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=run["growth_interval"])
