@@ -49,7 +49,7 @@ class OptimizerRecord:
     skipped: int = 0
     scaler: weakref.ref | None = None  # the GradScaler that stepped it last (whose step() may not be read yet)
     ref: weakref.ref | None = None  # the optimizer, weakly (made once: each step's _PendingStep holds it)
-    fresh_momentum_said: bool = False  # the warning of _undo_fresh_momentum, once per optimizer
+    fresh_momentum_said: bool = False  # the notice of _say_fresh_momentum_undone, once per optimizer
 
 
 @dataclasses.dataclass(slots=True)
@@ -211,7 +211,7 @@ def _say_fresh_momentum_undone(g: Guard, record: ScalerRecord) -> None:
             "uninitialised memory to the weights. Fix: construct the SGD without fused=True.")
 
 
-def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool, fresh: list | None = None) -> None:
+def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool, fresh: list | None) -> None:
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = list(state["found_inf_per_device"].values()) if state else None
     if not found:
