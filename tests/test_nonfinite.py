@@ -790,3 +790,29 @@ def test_a_torchmetrics_metric_is_no_sink_and_its_calls_are_not_the_models(trace
     assert info.value.op == "torch.log" and "log(0): -inf into the loss" in message, message
     assert "PearsonCorrCoef" not in message and "Metric" not in message, message
     assert torch.equal(kept[0].compute(), after_plain)  # the replay did not feed the batch to the metric again
+
+
+@pytest.mark.parametrize("schedulers", [False, True])
+def test_a_non_finite_optimizer_state_is_named_as_what_the_step_made_the_parameter_from(schedulers):
+    """A step with finite gradients made a parameter NaN because the optimizer's own state for it was not finite: a
+    corrupt checkpoint's, or, with the schedulers option off, the uninitialised momentum that torch's fused SGD keeps
+    from a first step GradScaler skipped. The message names that state, and for a fused SGD the way out."""
+    ampguard.install(schedulers=schedulers)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True)
+    x = torch.randn(8, 4)
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.state[m.weight]["momentum_buffer"][0, 1] = float("nan")  # as a checkpoint (or that skipped step) left it
+    m(x).pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        m(x).pow(2).mean().backward()  # the next forward reads it: its loss is NaN, read before the next step
+        opt.step()
+    message = str(info.value)
+    assert "It entered already non-finite (NaN): parameter 'weight'" in message, message
+    assert "The optimizer step of SGD#0 made it: its gradients were finite at that step" in message
+    assert "and its state 'momentum_buffer' for this parameter is not finite (NaN)." in message
+    assert "torch's fused SGD" in message and "fused=True" in message

@@ -694,10 +694,14 @@ def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
     checked = ("its gradients were finite at that step (ampguard checks them before every step, or GradScaler "
                "let the step through)")
     hint = eps_message(optimizer)
-    bad = _non_finite_settings(optimizer, tensor)
+    bad = _non_finite_settings(optimizer, tensor) or _non_finite_state(optimizer, tensor)
     if hint or bad:
         why = f"its {bad}" if bad else "eps rounds to 0 (below)"
         lines = [f"  The optimizer step of {name} made it: {checked}, and {why}."]
+        if bad.startswith("state 'momentum_buffer'") and _fused_group_of(optimizer, tensor):
+            lines.append("  torch's fused SGD (fused=True) stores the momentum buffers of a first step that GradScaler "
+                         "skips uninitialised; ampguard takes them out unless its schedulers option is off. Otherwise "
+                         "the state came from a checkpoint, or was written by hand.")
     else:
         lines = [f"  The optimizer step of {name} ran on it after its last check: {checked}. So either that step "
                  "made it (a learning rate that diverges, an eps that rounds to 0), or code outside the optimizer "
@@ -705,6 +709,24 @@ def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
     if hint:
         lines.append("  " + hint[0].upper() + hint[1:])
     return lines
+
+
+def _non_finite_state(optimizer: Any, param: Any) -> str:
+    """"state 'exp_avg_sq' for this parameter is not finite (+Inf)" where the optimizer's own state for ``param`` (read
+    on the failure path, one parameter's) holds a non-finite value: the step computed the parameter from it."""
+    state = getattr(optimizer, "state", None)
+    entry = state.get(param) if isinstance(state, dict) else None
+    for key, value in (entry or {}).items():
+        if isinstance(value, sinks._torch.Tensor) and value.is_floating_point() and value.numel() and \
+                not bool(value.isfinite().all()):
+            kinds = [k for k, present in (("NaN", value.isnan().any()), ("+Inf", (value == math.inf).any()),
+                                          ("-Inf", (value == -math.inf).any())) if bool(present)]
+            return f"state '{key}' for this parameter is not finite ({', '.join(kinds)})"
+    return ""
+
+
+def _fused_group_of(optimizer: Any, param: Any) -> bool:
+    return any(group.get("fused") and any(p is param for p in group["params"]) for group in optimizer.param_groups)
 
 
 def _non_finite_settings(optimizer: Any, param: Any) -> str:
