@@ -712,20 +712,23 @@ def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
 
 
 def _non_finite_state(optimizer: Any, param: Any) -> str:
-    """"state 'exp_avg_sq' for this parameter is not finite (+Inf)" where the optimizer's own state for ``param`` (read
-    on the failure path, one parameter's) holds a non-finite value: the step computed the parameter from it."""
+    """"state 'exp_avg' for this parameter is not finite (NaN)" where the optimizer's own state for ``param`` holds a
+    non-finite value: the step computed the parameter from it. Read on the failure path, for that one parameter."""
     state = getattr(optimizer, "state", None)
     entry = state.get(param) if isinstance(state, dict) else None
     for key, value in (entry or {}).items():
-        if isinstance(value, sinks._torch.Tensor) and value.is_floating_point() and value.numel() and \
-                not bool(value.isfinite().all()):
-            kinds = [k for k, present in (("NaN", value.isnan().any()), ("+Inf", (value == math.inf).any()),
-                                          ("-Inf", (value == -math.inf).any())) if bool(present)]
+        if not isinstance(value, sinks._torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+            continue
+        local = sinks.stored(value)  # (a sharded state's shard on this rank: reading the whole is a collective)
+        if local.numel() and not bool(local.isfinite().all()):
+            kinds = [k for k, present in (("NaN", local.isnan().any()), ("+Inf", (local == math.inf).any()),
+                                          ("-Inf", (local == -math.inf).any())) if bool(present)]
             return f"state '{key}' for this parameter is not finite ({', '.join(kinds)})"
     return ""
 
 
 def _fused_group_of(optimizer: Any, param: Any) -> bool:
+    """Whether ``param`` is in a param group of ``optimizer`` that steps with a fused kernel."""
     return any(group.get("fused") and any(p is param for p in group["params"]) for group in optimizer.param_groups)
 
 
