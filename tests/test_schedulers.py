@@ -559,9 +559,9 @@ def test_fused_sgd_whose_first_steps_are_skipped_trains_as_if_they_never_happene
 
 
 def test_momentum_buffers_a_fused_sgd_had_before_a_skipped_step_are_kept():
-    """A checkpoint's buffers, loaded before the first step of this process, and a later skip after applied steps:
-    the kernel reads them, and a skip leaves them; so does ampguard. A param group added after training began gets
-    its first step skipped: only its own buffers are taken out."""
+    """A checkpoint's buffers, loaded before the first step of this process: the kernel reads them, and a skip leaves
+    them; so does ampguard (the property test covers skips after applied steps). A param group added after training
+    began gets its first step skipped: only its own buffers are taken out."""
     ampguard.install()
     m = model()
     opt = fused_sgd(m.parameters())
