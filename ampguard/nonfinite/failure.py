@@ -698,7 +698,7 @@ def _made_by_a_step(g: _guard.Guard, tensor: Any) -> list[str]:
     if hint or bad:
         why = f"its {bad}" if bad else "eps rounds to 0 (below)"
         lines = [f"  The optimizer step of {name} made it: {checked}, and {why}."]
-        if bad.startswith("state 'momentum_buffer'") and _fused_group_of(optimizer, tensor):
+        if bad.startswith("state 'momentum_buffer'") and _group_of(optimizer, tensor).get("fused"):
             lines.append("  torch's fused SGD (fused=True) stores the momentum buffers of a first step that GradScaler "
                          "skips uninitialised; ampguard takes them out unless its schedulers option is off. Otherwise "
                          "the state came from a checkpoint, or was written by hand.")
@@ -717,29 +717,25 @@ def _non_finite_state(optimizer: Any, param: Any) -> str:
     state = getattr(optimizer, "state", None)
     entry = state.get(param) if isinstance(state, dict) else None
     for key, value in (entry or {}).items():
-        if not isinstance(value, sinks._torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
-            continue
-        local = sinks.stored(value)  # (a sharded state's shard on this rank: reading the whole is a collective)
-        if local.numel() and not bool(local.isfinite().all()):
-            kinds = [k for k, present in (("NaN", local.isnan().any()), ("+Inf", (local == math.inf).any()),
-                                          ("-Inf", (local == -math.inf).any())) if bool(present)]
-            return f"state '{key}' for this parameter is not finite ({', '.join(kinds)})"
+        if isinstance(value, sinks._torch.Tensor) and (value.is_floating_point() or value.is_complex()) and \
+                value.numel():
+            found = replay.kinds(value)  # (a sharded state's shard on this rank: reading the whole is a collective)
+            if found:
+                return f"state '{key}' for this parameter is not finite ({report.kinds_words(found)})"
     return ""
 
 
-def _fused_group_of(optimizer: Any, param: Any) -> bool:
-    """Whether ``param`` is in a param group of ``optimizer`` that steps with a fused kernel."""
-    return any(group.get("fused") and any(p is param for p in group["params"]) for group in optimizer.param_groups)
+def _group_of(optimizer: Any, param: Any) -> dict:
+    """The param group of ``optimizer`` that holds ``param`` (empty if none does)."""
+    return next((group for group in optimizer.param_groups if any(p is param for p in group["params"])), {})
 
 
 def _non_finite_settings(optimizer: Any, param: Any) -> str:
     """'learning rate is inf' (or another float setting) for the param group of ``param``, or ''."""
-    for group in optimizer.param_groups:
-        if any(p is param for p in group["params"]):
-            for key, value in group.items():
-                number = value.item() if isinstance(value, sinks._torch.Tensor) and value.numel() == 1 else value
-                if isinstance(number, float) and not math.isfinite(number):
-                    return f"{'learning rate' if key == 'lr' else key} is {number}"
+    for key, value in _group_of(optimizer, param).items():
+        number = value.item() if isinstance(value, sinks._torch.Tensor) and value.numel() == 1 else value
+        if isinstance(number, float) and not math.isfinite(number):
+            return f"{'learning rate' if key == 'lr' else key} is {number}"
     return ""
 
 
