@@ -58,7 +58,7 @@ class _PendingStep:
     found_inf: list[Any]  # the scaler's per-device found_inf tensors for this optimizer
     ran: bool | None  # whether its step() ran, where that is the scaler's decision (non-fused): no read
     record: OptimizerRecord
-    fresh: list | None = None  # a fused SGD's momentum buffers this step made: see _fresh_momentum
+    fresh: list | None  # a fused SGD's momentum buffers this step made: see _fresh_momentum
 
 
 @dataclasses.dataclass
@@ -104,11 +104,10 @@ def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     ran.optimizer = None
     optimizer = args[0] if args else kwargs.get("optimizer")
     fresh = None
-    if _is_sgd(optimizer):
-        try:
-            fresh = _fresh_momentum(optimizer)
-        except Exception as exc:
-            internal_failure(FEATURE, exc)
+    try:
+        fresh = _fresh_momentum(optimizer)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
     result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         _remember_step(g, instance, optimizer, ran.optimizer is optimizer, fresh)
@@ -140,17 +139,8 @@ def _decides_by_running(optimizer: Any) -> bool:
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
-_SGD: list = []  # torch.optim.SGD, once torch.optim is imported (a GradScaler step means it is)
-
-
-def _is_sgd(optimizer: Any) -> bool:
-    if not _SGD:
-        _SGD.append(sys.modules["torch.optim"].SGD)
-    return isinstance(optimizer, _SGD[0])
-
-
 def _fresh_momentum(optimizer: Any) -> list | None:
-    """Before a GradScaler step of an SGD: the momentum buffers a fused step is about to make, as a list per param
+    """Before a GradScaler step: the momentum buffers a fused step is about to make, as a list per param
     group of [(parameter, whether it had a state entry)], or None.
 
     torch's fused SGD takes a step as the first of a param group when none of its parameters with a gradient has a
@@ -159,7 +149,9 @@ def _fresh_momentum(optimizer: Any) -> list | None:
     the momentum, and the first applied step adds it to the weights (a NaN, an Inf or a 1e31 from the allocator).
     An fp16 GradScaler skips its first steps while it calibrates, so this is the usual start of such a run. Found
     here (one membership test per group once the buffers exist); undone at update() if the step was skipped."""
-    made = None
+    if not isinstance(optimizer, sys.modules["torch.optim"].SGD):  # (a GradScaler step: torch.optim is imported)
+        return None
+    made = []
     state = optimizer.state
     for group in optimizer.param_groups:
         if not group.get("fused") or not group.get("momentum"):
@@ -174,10 +166,8 @@ def _fresh_momentum(optimizer: Any) -> list | None:
                 break
             params.append((p, entry is not None))
         if params:
-            if made is None:
-                made = []
             made.append(params)
-    return made
+    return made or None
 
 
 def _undo_fresh_momentum(optimizer: Any, fresh: list) -> None:
