@@ -114,9 +114,9 @@ def scaled_loop(make_sched, iterations: int, overflow=(), *, make_opt=None, scal
     return lrs, m, sched, scaler
 
 
-def reference_loop(make_sched, iterations: int, skipped=(), *, make_opt=None):
-    """The same run in which the skipped iterations never happened, without ampguard."""
-    m = model()
+def reference_loop(make_sched, iterations: int, skipped=(), *, make_opt=None, seed: int = 0):
+    """The same run in which the skipped iterations never happened, without ampguard (``model(seed)``'s)."""
+    m = model(seed)
     opt = (make_opt or (lambda p: torch.optim.SGD(p, lr=0.1)))(m.parameters())
     sched = make_sched(opt)
     scaler = torch.amp.GradScaler("cpu")

@@ -15,7 +15,7 @@ import warnings
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loops import Overflow, backward_and_step, data, line_of, model, scaled_loop
+from loops import Overflow, backward_and_step, data, line_of, model, reference_loop, scaled_loop
 from torch.optim import lr_scheduler as S
 
 import ampguard
@@ -88,24 +88,6 @@ def train(run, **options):
     return scheds, g, warned, models
 
 
-def without_the_skipped_iterations(run, j):
-    """Model ``j`` of ``run`` trained alone, plainly, on the iterations its optimizer applied (per-step schedulers)."""
-    m = model(seed=j)
-    opt = OPTIMIZERS[run["optimizers"][j]](m.parameters())
-    sched = SCHEDULERS[run["scheduler"]](opt, run["iterations"])
-    scaler = torch.amp.GradScaler("cpu")
-    for i in range(run["iterations"]):
-        if i in run["overflow"][j]:
-            continue
-        x, y = data(i)
-        scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        opt.zero_grad()
-    return m
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(runs())
@@ -119,7 +101,10 @@ def test_schedulers_follow_applied_steps_for_any_overflow_pattern(run):
         for inner in getattr(sched, "_schedulers", []):
             assert inner.last_epoch <= sched.last_epoch
         if run["scheduler"] != "StepLR per epoch":
-            reference = without_the_skipped_iterations(run, j)
+            # model j trained alone on the iterations its optimizer applied
+            _, reference, _ = reference_loop(lambda opt: SCHEDULERS[run["scheduler"]](opt, run["iterations"]),
+                                             run["iterations"], run["overflow"][j],
+                                             make_opt=OPTIMIZERS[run["optimizers"][j]], seed=j)
             for p, q in zip(models[j].parameters(), reference.parameters(), strict=True):
                 assert torch.equal(p, q), (j, run)
     assert warned == []

@@ -523,9 +523,9 @@ def fused_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
 
 
-def one_skipped_step(m, opt, scaler, i=0):
-    """One GradScaler iteration of ``m`` whose gradients overflow."""
-    hook = Overflow(m[0].weight, {i})
+def one_step(m, opt, scaler, i=0, overflow=True):
+    """One GradScaler iteration of ``m`` whose gradients overflow (or, without ``overflow``, one applied)."""
+    hook = Overflow(m[0].weight, {i} if overflow else ())
     hook.i = i
     x, y = data(i)
     scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
@@ -539,7 +539,7 @@ def test_without_ampguard_a_skipped_first_step_of_fused_sgd_stores_uninitialised
     # torch makes the buffers with empty_like and its kernel returns before writing them when found_inf is set
     m = model()
     opt = fused_sgd(m.parameters())
-    one_skipped_step(m, opt, torch.amp.GradScaler("cpu"))
+    one_step(m, opt, torch.amp.GradScaler("cpu"))
     assert all(p.isfinite().all() for p in m.parameters())  # the step itself changed no weight...
     assert [set(opt.state[p]) for p in m.parameters()] == [{"momentum_buffer"}] * 4  # ...but kept its buffers
 
@@ -565,18 +565,13 @@ def test_momentum_buffers_a_fused_sgd_had_before_a_skipped_step_are_kept():
     ampguard.install()
     m = model()
     opt = fused_sgd(m.parameters())
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = data(0)
-    scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
+    one_step(m, opt, torch.amp.GradScaler("cpu"), overflow=False)
     saved = opt.state_dict()
 
     resumed = fused_sgd(m.parameters())
     resumed.load_state_dict(saved)
     loaded = [resumed.state[p]["momentum_buffer"].clone() for p in m.parameters()]
-    one_skipped_step(m, resumed, torch.amp.GradScaler("cpu"), i=1)
+    one_step(m, resumed, torch.amp.GradScaler("cpu"), i=1)
     assert all(torch.equal(resumed.state[p]["momentum_buffer"], b) for p, b in zip(m.parameters(), loaded, strict=True))
 
     head = torch.nn.Linear(2, 2)
@@ -584,7 +579,7 @@ def test_momentum_buffers_a_fused_sgd_had_before_a_skipped_step_are_kept():
     hook = Overflow(m[0].weight, {2})
     hook.i = 2
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(head(m(x)).sum()).backward()
+    scaler.scale(head(m(data(0)[0])).sum()).backward()
     scaler.step(resumed)
     with pytest.warns(ampguard.AmpGuardWarning, match="skipped the first step"):
         scaler.update()
@@ -601,9 +596,9 @@ def test_the_fused_sgd_notice_turned_into_an_error_leaves_the_update_and_the_rep
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ampguard.AmpGuardWarning, match="fused=True"):
-            one_skipped_step(m, opt, scaler)
+            one_step(m, opt, scaler)
     assert not opt.state
     assert scaler.get_scale() == 2.0**15  # update() backed the scale off before the warning came
     assert not ampguard.active()._disabled  # the user's error, not an internal failure
     opt.zero_grad()
-    one_skipped_step(m, opt, scaler, i=1)  # said once: no warning (and no error) again
+    one_step(m, opt, scaler, i=1)  # said once: no warning (and no error) again
