@@ -184,6 +184,39 @@ def test_nan_inside_a_compiled_submodule_of_an_eager_model():
     assert info.value.chain[-2:] == ["Tensor.mul", "Tensor.sum"]
 
 
+class _CallsBad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Bad()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("compiled", ["model", "submodule", "model in place", "submodule in place"])
+def test_trace_eager_names_the_op_inside_a_compiled_module(backend, compiled):
+    """trace='eager' checks each op as it runs, but the ops a compiled module runs are its graph's: at the graph's
+    generated lines and in no module of the user's (the eager and aot_eager backends), or none at all (inductor).
+    Its call is checked as under trace='replay', and the failure replays it eagerly, which names the op."""
+    ampguard.install(trace="eager")
+    model = _CallsBad()
+    call = model
+    if compiled.endswith("in place"):
+        (model if compiled.startswith("model") else model.inner).compile(backend=backend)
+    elif compiled == "model":
+        call = torch.compile(model, backend=backend)
+    else:
+        model.inner = torch.compile(model.inner, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        call(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    err = info.value
+    assert err.op == "torch.sqrt" and err.kind == "nan" and err.module == "inner", str(err)
+    assert err.origin[-1].name == "forward" and "torch.sqrt" in err.origin[-1].line, str(err)
+
+
 def test_a_grad_scaler_loop_on_a_compiled_model_reports_a_forward_nan():
     ampguard.install()
     compiled = torch.compile(Bad(), backend="eager")

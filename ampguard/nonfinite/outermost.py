@@ -399,6 +399,11 @@ def global_hooks_but_ours(wrapped: Callable[[], Any], instance: Any, args: tuple
 _compiled_in_place: weakref.WeakSet = weakref.WeakSet()  # every model compile() was seen compiling in place
 
 
+def compiled_in_place(module: Any) -> bool:
+    """Whether calls of ``module`` run its in-place compiled call, through :class:`_CompiledInPlace`."""
+    return type(vars(module).get("_compiled_call_impl")) is _CompiledInPlace
+
+
 def see_compiled_in_place(module: Any) -> None:
     """After ``module.compile()``: wrap the compiled call torch put on it (kept known, to wrap again at the next
     switch-on and to unwrap at switch-off)."""
@@ -427,6 +432,15 @@ class _CompiledInPlace:
         module = self.module()
         if module is None or _compiling():
             return compiled(*args, **kwargs)
+        local = OPEN.state
+        if local.change is EAGER and running(local.frame):
+            # inside a trace='eager' call, whose hooks see each nested call start and end: not this one's, which
+            # runs compiled, hooks included
+            H.nested(module)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                H.nested_end(module)
         return run_as_outermost(module, compiled, args, kwargs, H.enter, H.exit)
 
 

@@ -813,7 +813,9 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
-    if options.trace == "eager":
+    if options.trace == "eager" and not _runs_compiled(module):
+        # (a compiled call is traced as under trace='replay' (see nested()): its output is a sink, and a replay runs it
+        # eagerly)
         t.eager = True
         t.eager_stack = [module]
         start_tape(g)  # every op of the forward is recorded and checked as it runs
@@ -892,16 +894,28 @@ def _new_batch(t: _Thread, module: Any, grad: bool) -> bool:
 
 
 def nested(module: Any) -> None:
-    """A module call starts inside a trace='eager' call: the modules open name each op's module."""
+    """A module call starts inside a trace='eager' call: the modules open name each op's module. A compiled module's
+    ops are its graph's (at the graph's lines, in no module of the user's; none at all under inductor): the record
+    pauses while it runs. The ops that use its output do not take a NaN there for theirs, and the failure found
+    after it (at the loss, or at the outermost call's output) replays the call eagerly, which names the op."""
     t = _here.state
     if t.eager:
         t.eager_stack.append(module)
+        if _runs_compiled(module):
+            t.taping = False
 
 
 def nested_end(module: Any) -> None:
-    stack = _here.state.eager_stack
+    t = _here.state
+    stack = t.eager_stack
     if stack and stack[-1] is module and len(stack) > 1:
         stack.pop()
+        if t.tape is not None and _runs_compiled(module):
+            t.taping = True
+
+
+def _runs_compiled(module: Any) -> bool:
+    return kind(module) == "compiled" or outermost.compiled_in_place(module)
 
 
 def output_words(call: Call, key: Any) -> str:
