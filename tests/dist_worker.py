@@ -441,6 +441,56 @@ def verdict_without_words(rank):
     return {"failed": {str(r): said for r, said in failed.items()}, "seconds": time.monotonic() - start}
 
 
+class LogOnRankOne(torch.nn.Module):
+    """A Linear whose output, on rank 1 at the poisoned iteration, passes through log(-1 - x * x): NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.poisoned = False
+
+    def forward(self, x):
+        x = self.fc(x)
+        if self.poisoned:
+            x = x + torch.log(-1 - x * x)  # EAGER POISON
+        return x
+
+
+def eager_nan_on_one_rank(rank):
+    """trace='eager' and a NaN made by an op on rank 1 at iteration 2, DDP with fp16 autocast and a GradScaler, then
+    bf16 without one: where each rank raises, and what it says."""
+    import ampguard
+
+    out = {}
+    for scaler in (True, False):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(LogOnRankOne(), torch.nn.GELU(), torch.nn.Linear(8, 1))
+        model = torch.nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        amp = torch.amp.GradScaler("cpu", enabled=scaler)
+        at = None
+        with ampguard.guard(trace="eager"):
+            try:
+                for i in range(4):
+                    inner[0].poisoned = rank == 1 and i == 2
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i))
+                    at = (i, "forward")
+                    with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16):
+                        loss = model(x).float().pow(2).mean()
+                    at = (i, "backward")
+                    amp.scale(loss).backward()
+                    at = (i, "step")
+                    amp.step(opt)
+                    at = (i, "update")
+                    amp.update()
+                    opt.zero_grad()
+                out[str(scaler)] = None
+            except ampguard.NonFiniteError as err:
+                out[str(scaler)] = {"at": list(at), "op": err.op, "module": err.module, "sink": err.sink,
+                                    "line": err.origin[-1].line if err.origin else None, "message": str(err)}
+    return out
+
+
 SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_backward": collective_in_backward,
              "ddp_scaler": ddp_scaler, "sharded_fused": sharded_fused, "ddp_nan_origin": ddp_nan_origin,
              "ddp_unused_nan_origin": ddp_unused_nan_origin,
@@ -451,7 +501,8 @@ SCENARIOS = {"collective_in_forward": collective_in_forward, "collective_in_back
              "one_rank_unguarded": one_rank_unguarded, "skip_ddp": lambda rank: skip_together(rank, True),
              "skip_replicas": lambda rank: skip_together(rank, False),
              "fsdp2": lambda rank: fsdp(rank, "fsdp2"), "fsdp1": lambda rank: fsdp(rank, "fsdp1"),
-             "verdict_without_words": verdict_without_words, "teacher_nan_on_one_rank": teacher_nan_on_one_rank}
+             "verdict_without_words": verdict_without_words, "teacher_nan_on_one_rank": teacher_nan_on_one_rank,
+             "eager_nan_on_one_rank": eager_nan_on_one_rank}
 
 
 class Blocks(torch.nn.Module):
@@ -512,13 +563,13 @@ def fsdp(rank, kind):
     import ampguard
 
     out = {"identical": _fsdp_run(rank, kind) == _fsdp_run(rank, kind, trace="replay")}
-    for trace, poison in (("replay", (1,)), ("eager", (0, 1))):
+    for name, trace, poison in (("replay", "replay", (1,)), ("eager", "eager", (0, 1)), ("eager_one", "eager", (1,))):
         try:
             _fsdp_run(rank, kind, trace=trace, poison=poison)
-            out[trace] = None
+            out[name] = None
         except ampguard.NonFiniteError as err:
-            out[trace] = {"sink": err.sink, "op": err.op, "message": str(err),
-                          "line": err.origin[-1].line if err.origin else None}
+            out[name] = {"sink": err.sink, "op": err.op, "message": str(err),
+                         "line": err.origin[-1].line if err.origin else None}
     return out
 
 

@@ -66,6 +66,27 @@ def test_nan_inside_a_ddp_model_names_the_op_and_the_module_on_every_rank(python
     assert r0["ops"][0] == "Sequential"  # the wrapped module is the call replayed, never DDP
 
 
+def test_trace_eager_raises_an_op_found_on_one_rank_where_every_rank_reads(python):
+    """trace='eager' finds the op on rank 1 as it runs. Raised there, rank 0 went on into the backward's all-reduce
+    and waited for a rank that had stopped. Every rank now stops at the same read: under a GradScaler its update(),
+    whose agreement tells rank 0; without one the step, where DDP has brought the NaN into rank 0's gradients."""
+    r0, r1 = run_ranks(python, "eager_nan_on_one_rank")  # no crash, within run_ranks' 120 s
+    for scaler, at in (("True", [2, "update"]), ("False", [2, "step"])):
+        e0, e1 = r0[scaler], r1[scaler]
+        assert e0["at"] == e1["at"] == at, (scaler, e0["at"], e1["at"])
+        assert e1["op"] == "torch.log" and e1["module"] == "0" and e1["sink"] == "the output of this op"
+        assert "EAGER POISON" in e1["line"]
+        assert e1["message"].startswith("ampguard: torch.log created NaN from inputs without NaN in module '0' at")
+        if scaler == "True":
+            assert e0["sink"] == "the output of this op on rank 1"
+            assert "\n  rank 1: ampguard: torch.log created NaN from inputs without NaN in module '0' at\n" in \
+                e0["message"]
+        else:
+            assert e0["sink"] == "gradient of parameter '0.fc.weight'"
+            assert "this rank's own backward stayed finite: the value came into its gradients from outside it" in \
+                e0["message"]
+
+
 def test_a_teachers_nan_output_on_one_rank_is_raised_where_every_rank_reads(python):
     """On the CPU a no_grad call's NaN output is raised by that call, except in a distributed run: there rank 1
     would stop at its teacher's call and leave rank 0 waiting in DDP's all-reduce (here: crashed as rank 1 left)."""
@@ -281,6 +302,11 @@ def test_fsdp_trains_unchanged_and_a_nan_is_reported_truthfully_on_every_rank(py
         assert "in this rank's shard" in other["message"]
     for r in (r0, r1):
         assert r["eager"]["op"] == "torch.log" and r["eager"]["line"].endswith("# FSDP POISON"), r["eager"]
+    # made on rank 1 alone: rank 1 names the op at the step's read, where rank 0 stops on the gradients it received
+    # (raised as the op ran, rank 1 left rank 0 waiting in the forward's next all-gather)
+    assert r1["eager_one"]["op"] == "torch.log" and r1["eager_one"]["line"].endswith("# FSDP POISON")
+    assert r0["eager_one"]["sink"].startswith("gradient of parameter 'blocks.")
+    assert "another rank's non-finite gradients reach this rank's too" in r0["eager_one"]["message"]
 
 
 def test_a_replay_on_one_rank_runs_none_of_the_forwards_collectives(python):

@@ -77,7 +77,8 @@ def fail(g: _guard.Guard, p: Pending) -> None:
                            "log. What the sinks know follows.)"])
     finally:
         T.transformed = False
-    if T.late and p.call is None and p.params is None:  # a loss whose backward() no optimizer step followed
+    # a loss whose backward() no optimizer step followed (not an op trace='eager' found)
+    if T.late and p.call is None and p.params is None and type(p) is not sinks.Found:
         error.add_line(_LATE_CLEARED if T.cleared else _LATE)
     T.cleared = False
     if g.options.repro_dir is not None:
@@ -123,6 +124,8 @@ def warn_elsewhere(g: _guard.Guard, optimizer: Any) -> None:
 
 
 def build(g: _guard.Guard, p: Pending, window: list, losses: list) -> NonFiniteError:
+    if type(p) is sinks.Found:
+        return p.error  # (trace='eager' found its op as it ran)
     if p.params is not None:
         return _gradient_error(g, p, window, losses)
     return _forward_error(g, p, window)
@@ -490,7 +493,9 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     if op is None and _sync.distributed():
         if _FROM_ANOTHER_RANK not in more:  # (that line says it already, with the replay's evidence)
             lines.append("  This is a distributed run: DDP/FSDP all-reduce gradients, so another rank's non-finite "
-                         "gradients reach this rank's too. That rank's message names the origin.")
+                         "gradients reach this rank's too. Where another rank's message names an origin, the value "
+                         "came from there; where none does, it was made where no replay could run (here, or on "
+                         "another rank).")
     elif op is not None and op.startswith("hook "):
         lines.append("  The loss was finite: the hook made it (dividing by a gradient's norm, which is 0 where no "
                      "gradient reaches the parameter, is one way).")
@@ -760,7 +765,6 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
     g = _guard.current(sinks.FEATURE)
     if g is None:
         return
-    g.stats.nonfinite_detected += 1
     label = report.op_name(op.func)
     stack = T.eager_stack
     module = _module_path(g, T.window, stack[0], stack[-1]) if stack else None
@@ -776,7 +780,12 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
     lines.append(_CAUSES)
     sink = "the output of this op"
-    if not _first_time(g, (sink, own)):
+    error = NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=label, module=module,
+                           origin=report.stack_summary(user) if user else None, chain=[label])
+    if g.options.nonfinite == "raise" and sinks._read_by_every_rank(g):
+        if not any(type(p) is sinks.Found for p in T.pending):  # (the first origin; what it reaches is no other)
+            T.pending.append(sinks.Found(g, error, bad[0], op.index))
         return
-    emit(g, NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=label, module=module,
-                           origin=report.stack_summary(user) if user else None, chain=[label]))
+    g.stats.nonfinite_detected += 1
+    if _first_time(g, (sink, own)):
+        emit(g, error)

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _sync
+from .. import _guard, _sync
 from . import sinks
 from .sinks import Call, Ref, T, TapeOp
 
@@ -262,11 +262,18 @@ def unsafe(call: Call) -> str | None:
         flat = any(getattr(p, "_fsdp_flattened", False) for p in m.parameters(recurse=False))  # FSDP1's inner module
         if names & {"FullyShardedDataParallel", "FSDPModule"} or flat:
             return ("it runs FSDP's collectives in its forward; re-running it on one rank would hang the others. "
-                    "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay: it names the op "
-                    "under FSDP, in a slower run")
+                    + _eager_advice(": it names the op under FSDP, in a slower run"))
         if "SyncBatchNorm" in names and m.training and _sync.distributed():
             return "SyncBatchNorm all-reduces in its forward; re-running it on one rank would hang the others"
     return None
+
+
+def _eager_advice(gain: str) -> str:
+    """Where no replay can run: what trace='eager' would check (and ``gain``), or, in a run under it, what it did."""
+    g = _guard.current(sinks.FEATURE)
+    if g is not None and g.options.trace == "eager":
+        return "This run's trace='eager' checked each op of the forward for NaN as it ran, and none made one"
+    return "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay" + gain
 
 
 # -- running the window ----------------------------------------------------------------------
@@ -352,7 +359,7 @@ class Collective(Exception):
     def reason(self) -> str:
         return (f"it runs a collective ({self}), which one rank cannot re-run alone: the other ranks are not "
                 "replaying, so it would pair with one of their own collectives or wait for one forever. "
-                "trace='eager' (AMPGUARD_TRACE=eager) checks each op as it runs, with no replay")
+                + _eager_advice(""))
 
 
 def _refuse_collective(func: Any) -> None:

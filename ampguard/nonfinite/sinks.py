@@ -204,6 +204,19 @@ class Pending:
         return self._sink
 
 
+class Found(Pending):
+    """A NaN that trace='eager' found at the op that made it, in a run whose ranks read together: its ``error`` is
+    raised by the read every rank makes (the step's), as a sink's would be, not by this rank alone as the op runs,
+    which would leave the others waiting in their next collective (the backward's all-reduce)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, guard: Any, error: Any, tensor: Any, event: int) -> None:
+        ref = weakref.ref(tensor)
+        super().__init__(guard, error.sink, True, [], tensor=ref, status=math.nan, ref=Ref(ref, event, 0))
+        self.error = error
+
+
 class _Thread:
     """One thread's state, a plain object: each hook takes it once (``t = _here.state``), since the normal
     path reads some hundred of these attributes a step (see _guard.PerThread)."""
@@ -1156,6 +1169,12 @@ def _property(getter: Any) -> str:
 def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: Any) -> None:
     window = t.window
     index = len(window)
+    if t.eager_stack:
+        # trace='eager', inside an outermost call: the op is checked as it runs, and not kept. A replay runs the call
+        # whole, as under trace='replay' (the op's arguments may be gone by then: FSDP frees the parameters it
+        # gathered), and a large model's forward does not fill the window and end the checks.
+        _failure.check_eager(TapeOp(func, None, None, [], _six_frames(frame), None, True, index), outs, args, kwargs)
+        return
     if index >= MAX_WINDOW:
         t.taping = False
         return
@@ -1292,8 +1311,6 @@ def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         t.backward_since_read = True
         t.passing = False
         t.backwards += 1
-        if g.options.trace == "eager":
-            check()
     except (AmpGuardError, AmpGuardWarning) as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
