@@ -217,6 +217,17 @@ def test_trace_eager_names_the_op_inside_a_compiled_module(backend, compiled):
     assert err.origin[-1].name == "forward" and "torch.sqrt" in err.origin[-1].line, str(err)
 
 
+def test_trace_eager_checks_the_loss_code_after_a_compiled_model_as_it_runs():
+    ampguard.install(trace="eager")
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="eager")
+    out = compiled(torch.randn(2, 4))
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        torch.log(-1 - out * out).mean()  # LOSS CODE NAN
+    assert info.value.op == "torch.log" and info.value.sink == "the output of this op"
+    this = test_trace_eager_checks_the_loss_code_after_a_compiled_model_as_it_runs
+    assert info.value.origin[-1].lineno == line_of(this, "LOSS CODE NAN")
+
+
 def test_a_grad_scaler_loop_on_a_compiled_model_reports_a_forward_nan():
     ampguard.install()
     compiled = torch.compile(Bad(), backend="eager")

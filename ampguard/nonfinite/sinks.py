@@ -826,12 +826,12 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     options = g.options
     if options.nonfinite == "skip" and module.training and grad and id(module) not in t.snapshots:
         _snapshot_buffers(g, module)
-    if options.trace == "eager" and not _runs_compiled(module):
-        # (a compiled call is traced as under trace='replay' (see nested()): its output is a sink, and a replay runs it
-        # eagerly)
-        t.eager = True
+    if options.trace == "eager":
+        t.eager = True  # (and the loss code that follows is checked as it runs)
+        if _runs_compiled(module):
+            return outermost.OUTERMOST  # its ops are its graph's (see nested()): a replay runs it eagerly
         t.eager_stack = [module]
-        start_tape(g)  # every op of the forward is recorded and checked as it runs
+        start_tape(g)  # every op of the forward is checked as it runs
         return outermost.OUTERMOST_KEEP_HOOKS
     t.eager = False
     return outermost.OUTERMOST
