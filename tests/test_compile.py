@@ -228,6 +228,38 @@ def test_trace_eager_checks_the_loss_code_after_a_compiled_model_as_it_runs():
     assert info.value.origin[-1].lineno == line_of(this, "LOSS CODE NAN")
 
 
+class _CheckpointedPoison(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+        self.poisoned = False
+
+    def block(self, x):
+        h = self.a(x)
+        return torch.log(h - h - 1) if self.poisoned else h
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_a_replay_inside_an_autocast_region_leaves_the_region_its_own_casts():
+    """Warn mode reads an accumulating loop's first micro-batch at the second one's model call, inside that call's
+    autocast region: the replay's casts of the weights stayed in the region's cache, the forward took them, and the
+    compiled checkpoint's recomputation in backward, which casts, failed torch's check that it repeats the forward
+    ("aten._to_copy.default encountered during backward but not found in storage")."""
+    ampguard.install(nonfinite="warn")
+    model = _CheckpointedPoison()
+    model.poisoned = True
+    compiled = torch.compile(model, backend="eager")
+    with pytest.warns(ampguard.AmpGuardWarning, match="created by torch.log"):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = compiled(torch.ones(2, 4)).float().sum()
+            loss.backward()
+    assert model.a.weight.grad is not None
+
+
 def test_a_grad_scaler_loop_on_a_compiled_model_reports_a_forward_nan():
     ampguard.install()
     compiled = torch.compile(Bad(), backend="eager")

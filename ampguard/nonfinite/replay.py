@@ -8,8 +8,9 @@ Each op records which kinds of non-finite values its output holds and which reco
 produced its inputs; the origin is found by walking back from the sink.
 
 A replay leaves no trace: buffers are restored, the RNG state ends as it was, no graph or
-reference survives it, parameters are never written. Where it is unsafe (FSDP's collectives,
-SyncBatchNorm, a module with ``ampguard_replay = False``) the call is not re-run, and says why.
+reference survives it, no cast enters autocast's cache, parameters are never written. Where it is
+unsafe (FSDP's collectives, SyncBatchNorm, a module with ``ampguard_replay = False``) the call is
+not re-run, and says why.
 
 Gradient sinks re-run the forward with autograd's anomaly metadata on, then the backward with
 ``torch.autograd.grad`` (``.grad`` is untouched) and a hook on every node: the first node that
@@ -299,6 +300,11 @@ def untouched(window: list) -> Iterator[None]:
     # importing it here would cost seconds on the failure path.
     stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules and \
         hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
+    # A replay at a module call inside the user's autocast region (a late read) would leave its casts of the weights
+    # in that region's cache, for the user's forward to take: an activation-checkpointed region then recorded no
+    # cast, and its recomputation in backward, which casts, failed torch's check that it repeats the forward.
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     T.replaying += 1
     outer_root, T.replay_root = T.replay_root, None
     try:
@@ -308,6 +314,7 @@ def untouched(window: list) -> Iterator[None]:
     finally:
         T.replaying -= 1
         T.replay_root = outer_root
+        torch.set_autocast_cache_enabled(cache)
         for now, before in attributes:
             for name in [name for name in now if name not in before]:
                 del now[name]
