@@ -164,26 +164,6 @@ def test_nan_inside_a_compiled_module_names_the_op_inside_it():
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
 
 
-def test_nan_inside_a_compiled_submodule_of_an_eager_model():
-    ampguard.install()
-
-    class Outer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = torch.compile(Bad(), backend="eager")
-
-        def forward(self, x):
-            return self.inner(x) * 2
-
-    model = Outer()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ampguard.NonFiniteError) as info:
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-    assert info.value.op == "torch.sqrt" and info.value.module == "inner"
-    assert info.value.chain[-2:] == ["Tensor.mul", "Tensor.sum"]
-
-
 class _CallsBad(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -191,6 +171,18 @@ class _CallsBad(torch.nn.Module):
 
     def forward(self, x):
         return self.inner(x) * 2
+
+
+def test_nan_inside_a_compiled_submodule_of_an_eager_model():
+    ampguard.install()
+    model = _CallsBad()
+    model.inner = torch.compile(model.inner, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    assert info.value.op == "torch.sqrt" and info.value.module == "inner"
+    assert info.value.chain[-2:] == ["Tensor.mul", "Tensor.sum"]
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
