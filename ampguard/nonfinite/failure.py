@@ -745,11 +745,12 @@ def _non_finite_settings(optimizer: Any, param: Any) -> str:
 
 
 # -- eager -----------------------------------------------------------------------------------
-def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None:
-    """trace='eager': stop at the op that made a NaN from inputs without one, as it runs."""
+def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, kwargs: dict) -> None:
+    """trace='eager': stop at the op that made a NaN from inputs without one, as it runs (``frames``: the op's, as a
+    TapeOp keeps them; ``index``: its place in the window)."""
     __tracebackhide__ = True
     torch = sinks._torch
-    if getattr(op.func, "__name__", None) in sinks.UNINITIALIZED:
+    if getattr(func, "__name__", None) in sinks.UNINITIALIZED:
         return
     with torch._C.DisableTorchFunction():
         bad = [o for o, _ in outs if bool(torch.isnan(o).any())]
@@ -765,10 +766,10 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
     g = _guard.current(sinks.FEATURE)
     if g is None:
         return
-    label = report.op_name(op.func)
+    label = report.op_name(func)
     stack = T.eager_stack
     module = _module_path(g, T.window, stack[0], stack[-1]) if stack else None
-    own, user_site, user = report.sites(op.frames)
+    own, user_site, user = report.sites(frames)
     how = f"from the Python number {numbers[0]!r} it was given" if numbers else "from inputs without NaN"
     lines = [f"ampguard: {label} created NaN {how}"
              + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
@@ -784,7 +785,7 @@ def check_eager(op: sinks.TapeOp, outs: list, args: tuple, kwargs: dict) -> None
                            origin=report.stack_summary(user) if user else None, chain=[label])
     if g.options.nonfinite == "raise" and sinks._read_by_every_rank(g):
         if not any(type(p) is sinks.Found for p in T.pending):  # (the first origin; what it reaches is no other)
-            T.pending.append(sinks.Found(g, error, bad[0], op.index))
+            T.pending.append(sinks.Found(g, error, bad[0], index))
         return
     g.stats.nonfinite_detected += 1
     if _first_time(g, (sink, own)):

@@ -1173,7 +1173,7 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
         # trace='eager', inside an outermost call: the op is checked as it runs, and not kept. A replay runs the call
         # whole, as under trace='replay' (the op's arguments may be gone by then: FSDP frees the parameters it
         # gathered), and a large model's forward does not fill the window and end the checks.
-        _failure.check_eager(TapeOp(func, None, None, [], _six_frames(frame), None, True, index), outs, args, kwargs)
+        _failure.check_eager(func, _six_frames(frame), index, outs, args, kwargs)
         return
     if index >= MAX_WINDOW:
         t.taping = False
@@ -1181,10 +1181,11 @@ def _record(t: _Thread, func: Any, args: tuple, kwargs: dict, outs: Any, frame: 
     weak_args = weak(args, True)  # before this op's outputs are known as made: an in-place op returns its input
     weak_kwargs = weak(kwargs, True) if kwargs else kwargs
     refs = _made(t, outs, index)
-    window.append(TapeOp(func, weak_args, weak_kwargs, refs, _six_frames(frame),
-                         _autocast_state() if _any_autocast() else None, _torch.is_grad_enabled(), index))
+    op = TapeOp(func, weak_args, weak_kwargs, refs, _six_frames(frame), _autocast_state() if _any_autocast() else None,
+                _torch.is_grad_enabled(), index)
+    window.append(op)
     if t.eager:
-        _failure.check_eager(window[-1], outs, args, kwargs)  # the arguments themselves: the record holds them weakly
+        _failure.check_eager(func, op.frames, index, outs, args, kwargs)  # (the arguments: the record's are weak)
 
 
 def _six_frames(f: Any) -> tuple:
