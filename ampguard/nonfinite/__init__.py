@@ -22,7 +22,7 @@ from typing import Any
 from .. import _sync
 from .._fallback import internal_failure
 from .._patching import REGISTRY, Switch, Target, wrap_on_class
-from . import failure, outermost, report, sinks
+from . import failure, outermost, report, sinks, torchscript
 from .sinks import FEATURE, T, check
 
 sinks._failure = failure  # the failure path is loaded with the package, never imported lazily mid-run
@@ -118,6 +118,9 @@ REGISTRY.add(Target("torch", "torch.nn.modules.module", "_has_any_global_hook", 
                     feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.autograd", "backward", sinks._backward,
                     "the loss sink; end the loss-code record; drop checks if backward raises", feature=FEATURE))
+REGISTRY.add(Target("torch", "torch.jit:ScriptFunction", "__call__", torchscript.script_function_call,
+                    "a TorchScript function's ops run below the loss-code record: the call itself is recorded",
+                    feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.autograd", "grad", sinks._autograd_grad,
                     "the loss sink of a loop that sets .grad from torch.autograd.grad", feature=FEATURE))
 REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", "scale", sinks._scaler_scale,

@@ -14,7 +14,7 @@ from .. import _guard, _sync
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
 from .._frames import warn_at_user
 from ..lints import eps_message
-from . import replay, report, repro, sinks
+from . import replay, report, repro, sinks, torchscript
 from .sinks import Call, Pending, T
 
 WARNED = _guard.declare_state("nonfinite_warned", set)  # warn and skip modes: the keys reported once
@@ -243,7 +243,7 @@ def _held_by_a_module(p: Pending, target: Any) -> list[str]:
         attributes = (*vars(module).items(), *module._parameters.items(), *module._buffers.items())
         for name, value in attributes:
             if value is target:
-                owner = f"{type(call.module).__name__}.{path}" if path else type(call.module).__name__
+                owner = torchscript.class_name(call.module) + (f".{path}" if path else "")
                 return [f"  The call returned '{name}', a tensor that module '{owner}' holds, as it is, so the replay "
                         "made nothing of it: whatever wrote it (this call when it first ran, an earlier call, or code "
                         "outside them) wrote it before the replay, which runs with the module as it is now. A value "
@@ -356,6 +356,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
             finite = f"tensor inputs finite, but it was given the Python number {rec.numbers[0]!r}"
         lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
                      f"    {report.where(own)}")
+        if isinstance(rec.fn, torchscript.Scripted):
+            lines.extend(torchscript.lines(rec.fn, rec.name))
         if user_site is not None and user_site != own:
             lines.append(f"  called from your code at\n    {report.where(user_site)}")
         alive = rec.ref()

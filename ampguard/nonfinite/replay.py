@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import _guard, _sync
-from . import sinks
+from . import sinks, torchscript
 from .sinks import Call, Ref, T, TapeOp
 
 FRAMES = 40  # user frames kept per replayed op
@@ -141,10 +141,13 @@ class Session:
         module = _calling_module(sys._getframe(2), self.stop) if root is not None else None
         if module is None:
             module = root  # an op of the root's own forward (the replay calls it without _call_impl)
+        fn = self.fn
+        if fn is None:  # no Python-level torch call ran it: TorchScript may have (a script module or function)
+            fn = torchscript.running(sys._getframe(2) if self.frames is None else None, module)
         written = op not in sinks.UNINITIALIZED  # (else: no op made its bits)
         schema = getattr(func, "_schema", None)
         mutable = schema is not None and schema.is_mutable
-        made_by = (name, frames, module, root, tuple(leaves), tuple(numbers))
+        made_by = (name, fn, frames, module, root, tuple(leaves), tuple(numbers))
         if mutable and self.cloned:
             self._note_written(outputs, name, frames)
         for o in outputs:
@@ -163,12 +166,13 @@ class Session:
                     self.written[id(t)] = (self.cloned[id(t)], name, self.fn, frames)
 
     def _add(self, tensor: Any, found: frozenset, inputs: list, constant: bool, made_by: tuple) -> None:
-        """The record of ``tensor``, holding ``found``, as made by the op ``made_by`` (name, frames, module, root,
-        leaves, numbers) from the records ``inputs``; what reads ``tensor`` from now on reads this record."""
-        name, frames, module, root, leaves, numbers = made_by
+        """The record of ``tensor``, holding ``found``, as made by the op ``made_by`` (name, the torch function it ran
+        inside, frames, module, root, leaves, numbers) from the records ``inputs``; what reads ``tensor`` from now on
+        reads this record."""
+        name, fn, frames, module, root, leaves, numbers = made_by
         if found and len(self.alive) < 4096:
             self.alive.append(tensor)
-        record = OpRecord(name, self.fn, frames, module, root, tuple(inputs), leaves, found, weakref.ref(tensor),
+        record = OpRecord(name, fn, frames, module, root, tuple(inputs), leaves, found, weakref.ref(tensor),
                           sinks.shape_of(tensor), tensor.dtype, constant, numbers)
         record.event = self.event
         self.producer[id(tensor)] = (weakref.ref(tensor), len(self.records))
@@ -498,7 +502,7 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
                             "call replayed")
             raise freed
         module = getattr(module, "_orig_mod", module)
-        args, kwargs = _map_call(session, event, type(module).__name__)
+        args, kwargs = _map_call(session, event, torchscript.class_name(module))
         _set_rng(event.rng)
         grad = torch.inference_mode() if event.inference else torch.set_grad_enabled(event.grad)
         state = contextlib.nullcontext()
@@ -528,11 +532,13 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         if op.func is torch.autograd.grad:
             args, kwargs = _retaining(args, kwargs)
         session.frames = op.frames
+        if type(op.func) is torchscript.ScriptCall:  # (its ops run below the naming mode: named by the script)
+            session.fn = op.func.label()
         try:
             with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
                 out = sinks.written_output(op.func, args, op.func(*args, **kwargs))
         finally:
-            session.frames = None
+            session.frames = session.fn = None
         _map_outputs(session, index, out)
         _claim_nodes(session, index, out)
 

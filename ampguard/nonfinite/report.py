@@ -16,7 +16,7 @@ import traceback
 from typing import Any
 
 from .._frames import line_at
-from . import sinks
+from . import sinks, torchscript
 
 _LIMITS = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38, "torch.float32": 3.40e38, "torch.float64": 1.8e308}
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,7 +52,9 @@ def op_name(func: Any) -> str:
     import torch
 
     if isinstance(func, str):
-        return func
+        return func  # (a torchscript.Scripted too: the script an op ran inside)
+    if type(func) is torchscript.ScriptCall:
+        return str(func.label())
     name = getattr(func, "__name__", repr(func))
     if name == "__get__":
         return "Tensor attribute"
@@ -189,11 +191,11 @@ def module_path(root: Any, module: Any) -> str | None:
     root = getattr(root, "_orig_mod", root)
     module = getattr(module, "_orig_mod", module)
     if module is root:
-        return type(root).__name__
+        return torchscript.class_name(root)
     for name, m in root.named_modules():
         if m is module:
             return name.replace("._orig_mod", "")  # a compiled submodule reads as the attribute it is
-    return type(module).__name__
+    return torchscript.class_name(module)
 
 
 def tensor_names(roots: list, sites: dict | None = None) -> dict[int, str]:
@@ -227,5 +229,5 @@ def tensor_names(roots: list, sites: dict | None = None) -> dict[int, str]:
             root = owner[key]
             site = (sites or {}).get(id(root))
             at = f" called at {site[0].co_filename}:{line_at(*site)}" if site is not None else ""
-            names[key] = f"{name} of the {type(root).__name__}{at}"
+            names[key] = f"{name} of the {torchscript.class_name(root)}{at}"
     return names

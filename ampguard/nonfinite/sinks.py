@@ -937,7 +937,9 @@ def output_words(call: Call, key: Any) -> str:
     if module is None:  # (a call without grad whose module the user dropped before the read)
         name = call.module_name
     else:
-        name = type(module._orig_mod if kind(module) == "compiled" else module).__name__  # no failing __getattr__
+        from .torchscript import class_name
+
+        name = class_name(module._orig_mod if kind(module) == "compiled" else module)  # no failing __getattr__
     return f"output of module '{name}'" + (f" (output {key!r})" if len(call.outputs) > 1 else "")
 
 

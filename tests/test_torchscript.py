@@ -1,0 +1,199 @@
+"""TorchScript: a script runs its ops below every Python frame, so a NaN made there is named by the script's source."""
+
+import contextlib
+
+import pytest
+import torch
+from loops import line_of
+
+import ampguard
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.sqrt(h - 100.0)  # SQRT LINE
+        return self.b(h)
+
+
+def bias_log(bias, y):
+    x = bias + y
+    return x * torch.log(x)  # SCRIPTED LOG LINE
+
+
+def focal(logits, target):
+    p = torch.sigmoid(logits)
+    return -(target * torch.log(p - 0.9)).mean()  # FOCAL LOG LINE
+
+
+def two_logs(x):
+    a = torch.log(x - 1)  # FIRST LOG LINE
+    return a + torch.log(x - 2)  # SECOND LOG LINE
+
+
+scripted_bias_log, scripted_focal, scripted_two_logs = map(torch.jit.script, (bias_log, focal, two_logs))
+
+
+class CallsScript(torch.nn.Module):
+    """A Python model whose forward calls a script function (a fused activation, as Megatron's and older timm's are)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x) - 10
+        h = scripted_bias_log(self.bias, h)  # CALL LINE
+        return self.b(h)
+
+
+class Applies(torch.nn.Module):
+    """A Python model that applies a script (or traced) function to its input, then a Linear."""
+
+    def __init__(self, script):
+        super().__init__()
+        torch.manual_seed(0)
+        self.script = script
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(self.script(x))
+
+
+def focal_loss_code(out):
+    return scripted_focal(out, torch.ones(2, 1)) + out.mean() * 0.1  # LOSS LINE
+
+
+def _raised(model, trace, loss_code=lambda out: out.mean(), x=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        with ampguard.guard(trace=trace):
+            loss = loss_code(model(torch.rand(2, 4) if x is None else x))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return info.value, str(info.value)
+
+
+def _at(func, marker):
+    return f"{__file__}:{line_of(func, marker)}"
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_a_nan_inside_a_scripted_model_is_named_at_its_line_in_the_script(trace):
+    err, message = _raised(torch.jit.script(Net()), trace)
+    assert err.op == "aten.sqrt" and err.module == "Net"  # (torch names the scripted class RecursiveScriptModule)
+    assert "created by aten.sqrt inside TorchScript module 'Net'" in message
+    assert f"which runs no Python frame. In its source, the op is at\n    {_at(Net.forward, 'SQRT LINE')}\n" \
+        "      h = torch.sqrt(h - 100.0)" in message
+    assert "RecursiveScriptModule" not in message
+
+
+def test_a_nan_in_the_output_of_a_scripted_model_under_no_grad_names_the_model_and_the_line():
+    model = torch.jit.script(Net()).eval()
+    with pytest.raises(ampguard.NonFiniteError) as info, ampguard.guard(), torch.no_grad():
+        model(torch.rand(2, 4))
+    message = str(info.value)
+    assert "NaN reached the output of module 'Net'" in message
+    assert f"In its source, the op is at\n    {_at(Net.forward, 'SQRT LINE')}" in message
+
+
+def test_a_nan_inside_a_script_function_that_a_model_calls_is_named_at_its_line_in_the_script():
+    err, message = _raised(CallsScript(), "replay")
+    assert err.op == "aten.log" and err.module == "CallsScript"
+    assert "created by aten.log inside TorchScript function 'bias_log' (inputs finite, output NaN) in module " \
+        f"'CallsScript' at\n    {_at(CallsScript.forward, 'CALL LINE')} in forward" in message
+    assert "That line runs TorchScript function 'bias_log', which runs no Python frame. In its source, the op is " \
+        f"at\n    {_at(bias_log, 'SCRIPTED LOG LINE')}\n      return x * torch.log(x)" in message
+
+
+def test_trace_eager_names_the_script_function_that_made_a_nan_where_the_model_calls_it():
+    err, message = _raised(CallsScript(), "eager")
+    assert err.op == "TorchScript function 'bias_log'" and err.module == "CallsScript"
+    assert f"TorchScript function 'bias_log' created NaN from inputs without NaN in module 'CallsScript' at\n" \
+        f"    {_at(CallsScript.forward, 'CALL LINE')}" in message
+
+
+def test_a_script_function_in_the_loss_code_is_recorded_and_its_nan_named():
+    """Before, the record saw nothing of the call: its output came from nowhere it knew, and the message said that an
+    input of the loss code was freed before the check, though the loop held everything."""
+    model = torch.nn.Linear(4, 1)
+    err, message = _raised(model, "replay", focal_loss_code)
+    assert err.op == "aten.log"
+    assert "created by aten.log inside TorchScript function 'focal' (inputs finite, output NaN) at\n" \
+        f"    {_at(focal_loss_code, 'LOSS LINE')}" in message
+    assert f"In its source, the op is at\n    {_at(focal, 'FOCAL LOG LINE')}" in message
+    assert "freed before the check" not in message
+    assert "path to the sink: aten.log inside TorchScript function 'focal' -> " in message
+
+
+def test_trace_eager_checks_a_script_function_in_the_loss_code_as_it_runs():
+    model = torch.nn.Linear(4, 1)
+    err, message = _raised(model, "eager", focal_loss_code)
+    assert err.op == "TorchScript function 'focal'"
+    assert "TorchScript function 'focal' created NaN from inputs without NaN at" in message
+
+
+def test_an_op_the_script_has_at_several_places_lists_each_of_them():
+    err, message = _raised(Applies(scripted_two_logs), "replay", x=torch.full((2, 4), 1.5))  # (the second log's NaN)
+    assert err.op == "aten.log"
+    assert "Its source has aten::log at 2 places:\n" \
+        f"    {_at(two_logs, 'FIRST LOG LINE')}\n      a = torch.log(x - 1)  # FIRST LOG LINE\n" \
+        f"    {_at(two_logs, 'SECOND LOG LINE')}\n" in message
+
+
+def test_a_traced_function_is_named_at_the_line_it_traced():
+    def act(x):
+        return torch.log(x - 1.5)  # TRACED LINE
+
+    traced = torch.jit.trace(act, torch.rand(2, 4) + 2)
+    err, message = _raised(Applies(traced), "replay", x=torch.ones(2, 4))
+    assert err.op == "aten.log"
+    assert "inside TorchScript function 'act'" in message
+    assert f"In its source, the op is at\n    {__file__}:{line_of(act, 'TRACED LINE')} in act" in message
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_a_healthy_loop_with_scripts_in_the_model_and_the_loss_code_trains_as_without_ampguard(trace):
+    def train(guarded):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU())),
+                                    Applies(scripted_two_logs), torch.nn.Linear(1, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        losses = []
+        with ampguard.guard(trace=trace) if guarded else contextlib.nullcontext():
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    features = model[0](torch.rand(3, 4))[:, :4].float() + 3  # (GELU > -0.2: every log finite)
+                    out = model[2](model[1](features))
+                loss = scripted_bias_log(torch.ones(1), out.float().abs() + 1).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    plain, guarded = train(False), train(True)
+    assert plain[0] == guarded[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1], strict=True))
+
+
+def test_the_script_function_call_is_restored_exactly():
+    original = vars(torch.jit.ScriptFunction)["__call__"]
+    ampguard.install()
+    ampguard.install()
+    assert vars(torch.jit.ScriptFunction)["__call__"].__wrapped__ is original  # once, not twice
+    assert isinstance(scripted_bias_log, torch.jit.ScriptFunction)
+    ampguard.uninstall()
+    assert vars(torch.jit.ScriptFunction)["__call__"] is original
