@@ -37,7 +37,13 @@ def two_logs(x):
     return a + torch.log(x - 2)  # SECOND LOG LINE
 
 
-scripted_bias_log, scripted_focal, scripted_two_logs = map(torch.jit.script, (bias_log, focal, two_logs))
+def noisy_log(x):
+    noise = torch.rand_like(x) * 0.0
+    return torch.log(x - 2 + noise)  # NOISY LOG LINE
+
+
+scripted_bias_log, scripted_focal, scripted_two_logs, scripted_noisy_log = map(
+    torch.jit.script, (bias_log, focal, two_logs, noisy_log))
 
 
 class CallsScript(torch.nn.Module):
@@ -116,11 +122,13 @@ def test_a_nan_inside_a_script_function_that_a_model_calls_is_named_at_its_line_
         f"at\n    {_at(bias_log, 'SCRIPTED LOG LINE')}\n      return x * torch.log(x)" in message
 
 
-def test_trace_eager_names_the_script_function_that_made_a_nan_where_the_model_calls_it():
+def test_trace_eager_names_the_op_inside_a_script_function_that_made_a_nan_where_the_model_calls_it():
     err, message = _raised(CallsScript(), "eager")
-    assert err.op == "TorchScript function 'bias_log'" and err.module == "CallsScript"
-    assert f"TorchScript function 'bias_log' created NaN from inputs without NaN in module 'CallsScript' at\n" \
-        f"    {_at(CallsScript.forward, 'CALL LINE')}" in message
+    assert err.op == "aten.log" and err.module == "CallsScript"
+    assert "aten.log inside TorchScript function 'bias_log' created NaN from inputs without NaN in module " \
+        f"'CallsScript' at\n    {_at(CallsScript.forward, 'CALL LINE')}" in message
+    assert f"In its source, the op is at\n    {_at(bias_log, 'SCRIPTED LOG LINE')}" in message
+    assert "Found by replaying" not in message  # (found as it ran; the script alone was run again)
 
 
 def test_a_script_function_in_the_loss_code_is_recorded_and_its_nan_named():
@@ -139,8 +147,22 @@ def test_a_script_function_in_the_loss_code_is_recorded_and_its_nan_named():
 def test_trace_eager_checks_a_script_function_in_the_loss_code_as_it_runs():
     model = torch.nn.Linear(4, 1)
     err, message = _raised(model, "eager", focal_loss_code)
-    assert err.op == "TorchScript function 'focal'"
-    assert "TorchScript function 'focal' created NaN from inputs without NaN at" in message
+    assert err.op == "aten.log"
+    assert "aten.log inside TorchScript function 'focal' created NaN from inputs without NaN at\n" \
+        f"    {_at(focal_loss_code, 'LOSS LINE')}" in message
+    assert f"In its source, the op is at\n    {_at(focal, 'FOCAL LOG LINE')}" in message
+
+
+def test_trace_eager_runs_a_script_function_again_with_the_run_s_random_state_left_as_it_was():
+    model = Applies(scripted_noisy_log)
+    x = torch.ones(2, 4)
+    torch.manual_seed(1)
+    torch.rand_like(x)  # (what the forward draws)
+    expected = torch.get_rng_state()
+    torch.manual_seed(1)
+    err, message = _raised(model, "eager", x=x)
+    assert err.op == "aten.log" and f"In its source, the op is at\n    {_at(noisy_log, 'NOISY LOG LINE')}" in message
+    assert torch.equal(torch.get_rng_state(), expected)
 
 
 def test_an_op_the_script_has_at_several_places_lists_each_of_them():

@@ -768,13 +768,18 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     g = _guard.current(sinks.FEATURE)
     if g is None:
         return
-    label = report.op_name(func)
+    label = op = report.op_name(func)
+    inside = _inside_script(func, args, kwargs) if type(func) is torchscript.ScriptCall else None
+    if inside is not None:
+        label, op = f"{inside} inside {label}", inside
     stack = T.eager_stack
     module = _module_path(g, T.window, stack[0], stack[-1]) if stack else None
     own, user_site, user = report.sites(frames)
     how = f"from the Python number {numbers[0]!r} it was given" if numbers else "from inputs without NaN"
     lines = [f"ampguard: {label} created NaN {how}"
              + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
+    if inside is not None:
+        lines.extend(torchscript.lines(func.label(), inside))
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     lines.append(f"  value: {report.describe_tensor(bad[0])}")
@@ -783,7 +788,7 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
     lines.append(_CAUSES)
     sink = "the output of this op"
-    error = NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=label, module=module,
+    error = NonFiniteError("\n".join(lines), kind="nan", sink=sink, op=op, module=module,
                            origin=report.stack_summary(user) if user else None, chain=[label])
     if g.options.nonfinite == "raise" and sinks._read_by_every_rank(g):
         if not any(type(p) is sinks.Found for p in T.pending):  # (the first origin; what it reaches is no other)
@@ -792,3 +797,25 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     g.stats.nonfinite_detected += 1
     if _first_time(g, (sink, own)):
         emit(g, error)
+
+
+def _inside_script(call: Any, args: tuple, kwargs: dict) -> str | None:
+    """The aten op inside a script function that made its NaN output, which trace='eager' found: none of the script's
+    ops ran in Python to be checked. Found by running the script again on copies of its inputs under the replay's
+    dispatch mode, with the run's state left as it was (failure path only); None if that finds none."""
+    torch = sinks._torch
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    try:
+        session = replay.Session()
+        checker, _ = replay._modes(session)
+        args, kwargs = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        with replay.untouched([]), torch.no_grad(), checker:
+            out = call(*args, **kwargs)
+        for made in tree_leaves(out):
+            start = session.producer_of(made) if isinstance(made, torch.Tensor) else None
+            if start is not None and "nan" in session.records[start].kinds:
+                return session.records[replay.walk(session, start)["origin"]].name
+    except Exception as exc:  # (the message names the script function and the line that called it, as before)
+        log.debug("ampguard: the script function could not be run again", exc_info=exc)
+    return None
