@@ -42,8 +42,12 @@ def noisy_log(x):
     return torch.log(x - 2 + noise)  # NOISY LOG LINE
 
 
-scripted_bias_log, scripted_focal, scripted_two_logs, scripted_noisy_log = map(
-    torch.jit.script, (bias_log, focal, two_logs, noisy_log))
+def root_of_zero(x):
+    return torch.sqrt(x * 0.0)  # ROOT LINE (finite forward; its backward is inf * 0)
+
+
+scripted_bias_log, scripted_focal, scripted_two_logs, scripted_noisy_log, scripted_root_of_zero = map(
+    torch.jit.script, (bias_log, focal, two_logs, noisy_log, root_of_zero))
 
 
 class CallsScript(torch.nn.Module):
@@ -171,6 +175,27 @@ def test_an_op_the_script_has_at_several_places_lists_each_of_them():
     assert "Its source has aten::log at 2 places:\n" \
         f"    {_at(two_logs, 'FIRST LOG LINE')}\n      a = torch.log(x - 1)  # FIRST LOG LINE\n" \
         f"    {_at(two_logs, 'SECOND LOG LINE')}\n" in message
+
+
+def test_a_nan_made_only_in_the_backward_of_a_script_names_the_script_and_its_unbounded_ops():
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(scripted_root_of_zero(h) + h)  # RESIDUAL LINE
+
+    err, message = _raised(Residual(), "replay")
+    assert err.op == "TorchScript function 'root_of_zero'" and err.module == "Residual"
+    assert "The backward of TorchScript function 'root_of_zero' (torch's DifferentiableGraphBackward, the backward " \
+        "of several of the script's ops at once) turned finite gradients into NaN. The script was called in module " \
+        f"'Residual' at\n    {_at(Residual.forward, 'RESIDUAL LINE')}" in message
+    assert "Its ops whose gradient is unbounded near some input (sqrt or pow at 0, log near 0, division by a small " \
+        f"value):\n    aten::sqrt at {_at(root_of_zero, 'ROOT LINE')}" in message
 
 
 def test_a_traced_function_is_named_at_the_line_it_traced():

@@ -554,6 +554,10 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
     function = found.get("function")
     own, user_site, user = report.sites(replay.event_frames(session, window, found["node_id"], found["frames"]))
     made_in = session.node_module.get(found["node_id"])
+    # TorchScript's autodiff: the backward of several of a script's ops as one node, made as the script returns
+    scripted = _script_at(session, own) if found["node"].endswith("DifferentiableGraphBackward") else None
+    if made_in is None and scripted is not None:
+        made_in = (scripted[1].module, scripted[1].root)
     module = _module_path(g, window, made_in[1], made_in[0]) if made_in is not None else None
     in_module = f" in module '{module}'" if module else ""
     if function is not None:  # a custom autograd.Function: its class, and the backward it defines
@@ -562,6 +566,13 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
                  f"gradients into {report.kinds_words(found['kinds'])}. Its backward is at\n    "
                  f"{report.where(_defined_at(function.backward))}\n  and it was applied{in_module} at\n    "
                  f"{report.where(own)}"]
+    elif scripted is not None:
+        script = scripted[0]
+        forward = str(script)
+        node = found["node"].rpartition("::")[2]
+        lines = [f"  The backward of {script} (torch's {node}, the backward of several of the script's ops at once) "
+                 f"turned finite gradients into {report.kinds_words(found['kinds'])}. The script was called{in_module} "
+                 f"at\n    {report.where(own)}", *torchscript.unbounded_lines(script)]
     else:
         m = _NODE.match(found["node"])
         forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
@@ -571,6 +582,16 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, \
         [*lines, *_written_inputs(session, True), *how]
+
+
+def _script_at(session: replay.Session, site: tuple | None) -> tuple[torchscript.Scripted, Any] | None:
+    """The TorchScript that the replay ran at ``site`` (the line that called it), from its ops' records, and the
+    first of those records (for its module)."""
+    records = [rec for rec in session.records
+               if type(rec.fn) is torchscript.Scripted and report.sites(rec.frames, rec.fn)[0] == site]
+    if site is None or not records:
+        return None
+    return torchscript.scripted([o for rec in records for o in rec.fn.objects]), records[0]
 
 
 def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, made: int, found: dict,

@@ -195,6 +195,28 @@ def sites(label: Scripted, op: str) -> list[tuple[str, int, str]]:
     return found
 
 
+# aten ops whose gradient is unbounded near some input (where a script's backward may turn gradients non-finite)
+UNBOUNDED = ("aten.sqrt", "aten.rsqrt", "aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.pow", "aten.div",
+             "aten.reciprocal", "aten.acos", "aten.asin", "aten.atanh", "aten.norm", "aten.linalg_vector_norm")
+
+
+def unbounded_lines(label: Scripted) -> list[str]:
+    """Where the script has an op whose gradient is unbounded near some input: TorchScript's autodiff runs the backward
+    of several ops as one node, so which of them turned the gradients non-finite is not known."""
+    found = [(op, site) for op in UNBOUNDED for site in sites(label, op)]
+    if not found:
+        return []
+    found.sort(key=lambda item: (item[1][0], item[1][1]))
+    out = ["  Its ops whose gradient is unbounded near some input (sqrt or pow at 0, log near 0, division by a small "
+           "value)" + (f", the first {MAX_LINES}:" if len(found) > MAX_LINES else ":")]
+    for op, (filename, lineno, function) in found[:MAX_LINES]:
+        text = linecache.getline(filename, lineno).strip()
+        in_function = f" in {function}" if function else ""
+        at = f"    {op.replace('.', '::', 1)} at {filename}:{lineno}{in_function}"
+        out.append(at + (f"\n      {text}" if text else ""))
+    return out
+
+
 def lines(label: Scripted, op: str) -> list[str]:
     """The message's lines for op ``op`` inside TorchScript ``label``, under the line that called it: where the
     script's graph calls the op."""
