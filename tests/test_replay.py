@@ -1478,3 +1478,54 @@ def test_a_teacher_call_that_raised_inside_the_loss_code_leaves_the_loss_code_re
     assert err.op == "Tensor.sqrt", message
     assert err.origin[-1].lineno == line_of(
         test_a_teacher_call_that_raised_inside_the_loss_code_leaves_the_loss_code_recorded, "# AFTER"), message
+
+
+# 11. custom ops ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("ampguard_test::shifted_log", mutates_args=())
+def shifted_log(x: torch.Tensor) -> torch.Tensor:
+    """A custom op (torch.library), as a kernel library's fused op is: the replay sees it as one op."""
+    return torch.log(x - 1)
+
+
+@shifted_log.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _shifted_log_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad / (x - 1)
+
+
+shifted_log.register_autograd(_shifted_log_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(
+    inputs[0]))
+
+
+class CallsCustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x).sigmoid()
+        return self.b(shifted_log(h))  # CUSTOM OP LINE
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_a_custom_op_that_made_a_nan_is_named_by_its_library_name_at_the_user_s_line(trace):
+    """Before, the op read 'torch._ops.ampguard_test.shifted_log.default', placed in torch's custom-op plumbing
+    (torch/_library/custom_ops.py under trace='eager', torch/_library/autograd.py in a replay)."""
+    model = CallsCustomOp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
+        model(torch.rand(2, 4)).mean().backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "ampguard_test.shifted_log" and err.module == "CallsCustomOp", message
+    line = f"{__file__}:{line_of(CallsCustomOp.forward, 'CUSTOM OP LINE')} in forward"
+    made = {"replay": "It was created by ampguard_test.shifted_log (inputs finite, output NaN)",
+            "eager": "ampguard: ampguard_test.shifted_log created NaN from inputs without NaN"}[trace]
+    assert f"{made} in module 'CallsCustomOp' at\n    {line}" in message, message
+    assert "torch/_library" not in message and "torch._ops" not in message, message

@@ -24,7 +24,8 @@ _PLUMBING = tuple(os.path.join("torch", p) for p in (
     "_ops.py", os.path.join("utils", "_python_dispatch.py"), "overrides.py", os.path.join("utils", "_contextlib.py"),
     os.path.join("autograd", "grad_mode.py"), os.path.join("amp", "autocast_mode.py"),
     os.path.join("_dynamo", "eval_frame.py"), os.path.join("nn", "modules", "module.py"), "_compile.py",
-    os.path.join("utils", "_pytree.py"), "_jit_internal.py", os.path.join("autograd", "function.py")))
+    os.path.join("utils", "_pytree.py"), "_jit_internal.py", os.path.join("autograd", "function.py"),
+    os.path.join("_library", "custom_ops.py"), os.path.join("_library", "autograd.py")))
 _OVERRIDES = os.path.join("torch", "overrides.py")
 _LIBRARIES: tuple[str, ...] = ()
 
@@ -55,6 +56,8 @@ def op_name(func: Any) -> str:
         return func  # (a torchscript.Scripted too: the script an op ran inside)
     if type(func) is torchscript.ScriptCall:
         return str(func.label())
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # torch.ops.mylib.op (a custom op)
+        return str(func).removesuffix(".default")
     name = getattr(func, "__name__", repr(func))
     if name == "__get__":
         return "Tensor attribute"
