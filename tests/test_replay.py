@@ -1529,3 +1529,30 @@ def test_a_custom_op_that_made_a_nan_is_named_by_its_library_name_at_the_user_s_
             "eager": "ampguard: ampguard_test.shifted_log created NaN from inputs without NaN"}[trace]
     assert f"{made} in module 'CallsCustomOp' at\n    {line}" in message, message
     assert "torch/_library" not in message and "torch._ops" not in message, message
+
+
+# 12. a loss that is +Inf by its definition -------------------------------------------------------------------
+@pytest.mark.parametrize("as_module", [False, True], ids=["F.ctc_loss", "nn.CTCLoss"])
+def test_an_infinite_ctc_loss_names_the_target_that_cannot_be_aligned_and_zero_infinity(as_module):
+    torch.manual_seed(0)
+    rnn, head = torch.nn.GRU(8, 16), torch.nn.Linear(16, 5)
+    opt = torch.optim.Adam([*rnn.parameters(), *head.parameters()])
+    criterion = torch.nn.CTCLoss() if as_module else torch.nn.functional.ctc_loss
+    targets = torch.randint(1, 5, (2, 4))
+    target_lengths = torch.tensor([4, 4])
+
+    def step(frames):
+        out, _ = rnn(torch.randn(frames, 2, 8))
+        loss = criterion(head(out).log_softmax(-1), targets, torch.full((2,), frames), target_lengths)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with ampguard.guard():
+        step(12)  # (4 labels in 12 frames: feasible, a finite loss)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            step(3)  # (4 labels in 3 frames: no alignment, +Inf)
+    message = str(info.value)
+    assert "+Inf reached the loss" in message and "ctc_loss" in info.value.op, message
+    assert "ctc_loss is +Inf for a sample whose target cannot be aligned to its input" in message, message
+    assert "zero_infinity=True" in message, message

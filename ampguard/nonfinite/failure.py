@@ -372,6 +372,11 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append("  Your code wrote this NaN itself. If it is on purpose (a marker for missing values that a "
                      "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
+    if entered is None and "inf" in rec.kinds and "ctc_loss" in label:
+        lines.append("  ctc_loss is +Inf for a sample whose target cannot be aligned to its input: a target longer "
+                     "than the input, or one whose repeated labels need blanks between them that the input has no "
+                     "room for. Pass zero_infinity=True (nn.CTCLoss(zero_infinity=True)) to give such samples a zero "
+                     "loss and gradient, or drop them from the data.")
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
                      "for a softmax to normalize, and becomes NaN: mask with a large negative number "
