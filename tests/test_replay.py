@@ -1531,7 +1531,7 @@ def test_a_custom_op_that_made_a_nan_is_named_by_its_library_name_at_the_user_s_
     assert "torch/_library" not in message and "torch._ops" not in message, message
 
 
-# 12. a loss that is +Inf by its definition -------------------------------------------------------------------
+# 12. ops non-finite by their definition ----------------------------------------------------------------------
 @pytest.mark.parametrize("as_module", [False, True], ids=["F.ctc_loss", "nn.CTCLoss"])
 def test_an_infinite_ctc_loss_names_the_target_that_cannot_be_aligned_and_zero_infinity(as_module):
     torch.manual_seed(0)
@@ -1556,3 +1556,33 @@ def test_an_infinite_ctc_loss_names_the_target_that_cannot_be_aligned_and_zero_i
     assert "+Inf reached the loss" in message and "ctc_loss" in info.value.op, message
     assert "ctc_loss is +Inf for a sample whose target cannot be aligned to its input" in message, message
     assert "zero_infinity=True" in message, message
+
+
+class BatchStandardized(torch.nn.Module):
+    """Standardizes over the batch, as hand-written normalizations and contrastive losses do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b((h - h.mean(0)) / h.std(0))  # STD LINE
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_a_std_over_a_batch_of_one_names_the_correction(trace):
+    model = BatchStandardized()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace=trace), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own: degrees of freedom <= 0)
+        model(torch.rand(8, 4)).mean().backward()  # (a batch of 8: finite)
+        opt.step()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            model(torch.rand(1, 4)).mean().backward()  # (the last batch of an epoch, of one sample)
+            opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "Tensor.std" and err.origin[-1].lineno == line_of(BatchStandardized.forward, "STD LINE"), message
+    assert "over a single element (a batch of one, a dimension of size 1) that is 0/0. Pass correction=0" in message

@@ -372,11 +372,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append("  Your code wrote this NaN itself. If it is on purpose (a marker for missing values that a "
                      "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
-    if entered is None and "inf" in rec.kinds and "ctc_loss" in label:
-        lines.append("  ctc_loss is +Inf for a sample whose target cannot be aligned to its input: a target longer "
-                     "than the input, or one whose repeated labels need blanks between them that the input has no "
-                     "room for. Pass zero_infinity=True (nn.CTCLoss(zero_infinity=True)) to give such samples a zero "
-                     "loss and gradient, or drop them from the data.")
+    if entered is None:
+        lines.extend(_op_advice(label, rec.kinds))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
                      "for a softmax to normalize, and becomes NaN: mask with a large negative number "
@@ -424,6 +421,23 @@ def _a_constant(rec: Any) -> bool:
 def _made_from_a_mask(walked: dict) -> bool:
     """Whether the walk's origin made its value from inputs finite but for the masks it passed."""
     return bool(walked["masks"]) and walked["path"][0] == walked["origin"]
+
+
+# (the op, as a label reads; the kind it made; why an op of that kind makes it from finite inputs, and the fix)
+_OP_ADVICE = (
+    (re.compile(r"ctc_loss"), "inf",
+     "ctc_loss is +Inf for a sample whose target cannot be aligned to its input: a target longer than the input, or "
+     "one whose repeated labels need blanks between them that the input has no room for. Pass zero_infinity=True "
+     "(nn.CTCLoss(zero_infinity=True)) to give such samples a zero loss and gradient, or drop them from the data."),
+    (re.compile(r"(?<![a-z_])(std|var)(_mean)?\b"), "nan",
+     "std and var divide by the number of elements less their correction, 1 by default: over a single element (a "
+     "batch of one, a dimension of size 1) that is 0/0. Pass correction=0 (unbiased=False) where that can happen."),
+)
+
+
+def _op_advice(label: str, kinds: Any) -> list[str]:
+    """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs."""
+    return [f"  {advice}" for pattern, kind, advice in _OP_ADVICE if kind in kinds and pattern.search(label)]
 
 
 _NORMALIZES = re.compile(r"softmax|logsumexp|scaled_dot_product_attention|multi_head_attention")
@@ -809,6 +823,7 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     lines.append(f"  value: {report.describe_tensor(bad[0])}")
+    lines.extend(_op_advice(label, ("nan",)))
     if user:
         lines.append("  your stack at the origin (innermost last):")
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
