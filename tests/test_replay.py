@@ -1586,3 +1586,24 @@ def test_a_std_over_a_batch_of_one_names_the_correction(trace):
     err, message = info.value, str(info.value)
     assert err.op == "Tensor.std" and err.origin[-1].lineno == line_of(BatchStandardized.forward, "STD LINE"), message
     assert "over a single element (a batch of one, a dimension of size 1) that is 0/0. Pass correction=0" in message
+
+
+@pytest.mark.parametrize(("trace", "as_module"), [("replay", False), ("eager", False), ("replay", True)],
+                         ids=["F.cross_entropy", "F.cross_entropy, eager", "nn.CrossEntropyLoss"])
+def test_a_cross_entropy_whose_targets_are_all_ignored_names_the_empty_mean(trace, as_module):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = torch.nn.CrossEntropyLoss(ignore_index=0) if as_module else \
+        lambda logits, targets: torch.nn.functional.cross_entropy(logits, targets, ignore_index=0)
+    with ampguard.guard(trace=trace):
+        criterion(model(torch.rand(3, 4)), torch.tensor([1, 0, 2])).backward()  # (one target padded: finite)
+        opt.step()
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            criterion(model(torch.rand(3, 4)), torch.zeros(3, dtype=torch.long)).backward()  # (all padding)
+            opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op in ("aten.nll_loss_forward", "torch.nn.functional.cross_entropy"), message
+    assert "created by aten.nll_loss_forward inside torch.nn.functional.cross_entropy (inputs finite, output NaN)" \
+        in message if trace == "replay" else "cross_entropy created NaN from inputs without NaN" in message, message
+    assert "a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0" in message

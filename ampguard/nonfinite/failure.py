@@ -432,6 +432,10 @@ _OP_ADVICE = (
     (re.compile(r"(?<![a-z_])(std|var)(_mean)?\b"), "nan",
      "std and var divide by the number of elements less their correction, 1 by default: over a single element (a "
      "batch of one, a dimension of size 1) that is 0/0. Pass correction=0 (unbiased=False) where that can happen."),
+    (re.compile(r"nll_loss|cross_entropy"), "nan",
+     "cross_entropy and nll_loss with reduction='mean' divide by the total weight of the targets that are not "
+     "ignore_index: a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0. Skip "
+     "such batches, or take reduction='sum' and divide by the count of targets, at least 1."),
 )
 
 
