@@ -1607,3 +1607,43 @@ def test_a_cross_entropy_whose_targets_are_all_ignored_names_the_empty_mean(trac
     assert "created by aten.nll_loss_forward inside torch.nn.functional.cross_entropy (inputs finite, output NaN)" \
         in message if trace == "replay" else "cross_entropy created NaN from inputs without NaN" in message, message
     assert "a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0" in message
+
+
+def _cosine_angle(a, b):
+    return torch.acos((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)))  # (a rounding error can pass 1)
+
+
+def _variance_root(a, b):
+    return torch.sqrt((a * a).mean(-1) - a.mean(-1) ** 2 - 1)  # (as if rounding made E[x^2] - E[x]^2 negative)
+
+
+def _log_of_difference(a, b):
+    return torch.log(a.sum(-1) - b.sum(-1) - 100)
+
+
+def _fractional_power(a, b):
+    return (a - b - 100).pow(0.5)
+
+
+@pytest.mark.parametrize(("made_by", "advice"), [
+    (_cosine_angle, "acos and asin are NaN outside [-1, 1]"),
+    (_variance_root, "This op is NaN for a negative input"),
+    (_log_of_difference, "This op is NaN for a negative input"),
+    (_fractional_power, "pow: a negative base to a fractional power"),
+])
+def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps_it_inside(made_by, advice):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (a vector whose cosine with itself is 1.0000001 in float32: the dot product and the norms round differently)
+    same = torch.tensor([0.1919950693845749, 0.5427713394165039, -2.2187793254852295, 0.2589845359325409])
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        out = model(torch.rand(2, 4))
+        if made_by is _cosine_angle:
+            value = made_by(same + 0 * out, same.expand(2, 4))
+        else:
+            value = made_by(out, torch.rand(2, 4))
+        value.mean().backward()
+        opt.step()
+    message = str(info.value)
+    assert "(inputs finite, output NaN)" in message and advice in message, message

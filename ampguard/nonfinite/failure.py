@@ -436,6 +436,13 @@ _OP_ADVICE = (
      "cross_entropy and nll_loss with reduction='mean' divide by the total weight of the targets that are not "
      "ignore_index: a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0. Skip "
      "such batches, or take reduction='sum' and divide by the count of targets, at least 1."),
+    (re.compile(r"(?<![a-z_])(acos|asin|arccos|arcsin)_?\b"), "nan",
+     "acos and asin are NaN outside [-1, 1], and a cosine computed in floating point (a normalized dot product) can "
+     "pass 1 by a rounding error: clamp it to [-1 + eps, 1 - eps] first (the eps also bounds the gradient at ±1)."),
+    (re.compile(r"(?<![a-z_])(r?sqrt|log|log2|log10|pow)_?\b"), "nan",
+     "This op is NaN for a negative input (pow: a negative base to a fractional power). A quantity that is never "
+     "negative in exact arithmetic can round below 0 (a variance as E[x^2] - E[x]^2, a squared distance as "
+     "|a|^2 + |b|^2 - 2ab): clamp it (min=0, or min=eps where the gradient at 0 matters) before this op."),
 )
 
 
