@@ -244,3 +244,29 @@ def test_the_script_function_call_is_restored_exactly():
     assert isinstance(scripted_bias_log, torch.jit.ScriptFunction)
     ampguard.uninstall()
     assert vars(torch.jit.ScriptFunction)["__call__"] is original
+
+
+class FocalLoss(torch.nn.Module):
+    def forward(self, logits, target):
+        return self.compute(logits, target)
+
+    @torch.jit.export
+    def compute(self, logits, target):
+        return focal(logits, target)
+
+
+def test_a_script_module_s_method_in_the_loss_code_is_said_to_be_unseen_not_freed_by_the_user():
+    """A script module's method (not its call) runs below the record too, and is not wrapped: its output came from
+    nowhere the record knew. The message said the user had freed an input and should keep the batch referenced."""
+    criterion = torch.jit.script(FocalLoss())
+    model = torch.nn.Linear(4, 1)
+
+    def loss_code(out):
+        return criterion.compute(out, torch.ones(2, 1)) * 2  # METHOD LINE
+
+    err, message = _raised(model, "replay", loss_code)
+    assert err.op is None
+    assert f"an input of the loss code (given to Tensor.mul at {_at(loss_code, 'METHOD LINE')}) was made, from " \
+        "tensors with grad, by code that ampguard's record did not see, and freed before the check (code below the " \
+        "record: a TorchScript module's method" in message, message
+    assert "keep the batch referenced" not in message

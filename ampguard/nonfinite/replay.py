@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import _guard, _sync
-from . import sinks, torchscript
+from . import report, sinks, torchscript
 from .sinks import Call, Ref, T, TapeOp
 
 FRAMES = 40  # user frames kept per replayed op
@@ -416,6 +416,13 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
                 freed.advice = ("to have it replayed, keep the micro-batches referenced until the step, or run "
                                 "without accumulation (accumulate_grad_batches=1) while you look for it")
                 raise freed
+            if value.event == sinks.UNSEEN:
+                freed = Freed(f"{where} was made, from tensors with grad, by code that ampguard's record did not see, "
+                              "and freed before the check (code below the record: a TorchScript module's method, a C++ "
+                              "extension's function, or code that ran before the step's first model call)")
+                freed.advice = ("keep that tensor referenced until the check (at the optimizer step) to have the "
+                                "rest replayed from it; the code that made it cannot be replayed")
+                raise freed
             raise Freed(f"{where} was freed before the check")
         value = original
     if isinstance(value, torch.Tensor):
@@ -527,8 +534,16 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         _claim_nodes(session, index, out)
     else:
         op: TapeOp = event
-        args = _map(session, op.args, True, "an input of the loss code")
-        kwargs = _map(session, op.kwargs, True, "an input of the loss code")
+        where = "an input of the loss code"
+        try:
+            args = _map(session, op.args, True, where)
+            kwargs = _map(session, op.kwargs, True, where)
+        except Freed as freed:  # (which op it was given to, and where)
+            own, user_site, _ = report.sites(op.frames, op.func)
+            site = user_site or own
+            at = f" at {site[0]}:{site[1]}" if site is not None else ""
+            freed.args = (str(freed).replace(where, f"{where} (given to {report.op_name(op.func)}{at})", 1),)
+            raise
         if op.func is torch.autograd.grad:
             args, kwargs = _retaining(args, kwargs)
         session.frames = op.frames

@@ -66,6 +66,7 @@ BUFFER_STASHES = _guard.declare_state("nonfinite_stash", lambda: ObjectState(lam
 
 log = logging.getLogger("ampguard")
 RELEASED = -2  # Ref.event of data released at a micro-batch boundary (see _next_micro_batch)
+UNSEEN = -3  # Ref.event of a tensor with autograd history that the window did not make (see _weak_one)
 MAX_WINDOW = 4096  # calls and loss-code ops kept between two reads; past that the tape stops
 REPEATS = 64  # train-mode calls of one module with grad and no backward() that the window keeps (see _new_batch)
 
@@ -584,7 +585,11 @@ def _weak_one(value: Any, data: bool, produced: dict) -> Any:
         if data and value.grad_fn is None and not value.requires_grad:
             return value
         node = value.grad_fn
-        return (node is not None and _passed_through(value, node, produced)) or Ref(weakref.ref(value), -1, None)
+        if node is None:
+            return Ref(weakref.ref(value), -1, None)
+        # made from tensors with grad by code that no record saw: a TorchScript method, a C++ extension's function,
+        # code that ran before the step's first model call (see replay._map)
+        return _passed_through(value, node, produced) or Ref(weakref.ref(value), UNSEEN, None)
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         return weak(value, data)
