@@ -1,5 +1,6 @@
 """Reproducer bundles: written on a NaN in one process, replayed by ``python -m ampguard repro`` in another."""
 
+import io
 import os
 import pathlib
 
@@ -244,6 +245,15 @@ def test_broken_bundles_get_one_line_not_a_traceback(python, code, tmp_path):
                         (tmp_path / "missing.pt", "no such file")):
         out = repro(python, path, tmp_path)
         assert out.returncode == 2 and words in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    # an op that is not torch's (a bundle written before the writer refused them: a script function, a custom op)
+    for name in ("TorchScript function 'focal'", "mylib.shifted_log"):
+        payload = io.BytesIO()
+        torch.save({"func": name, "args": (torch.ones(2),), "kwargs": {}}, payload)
+        foreign = tmp_path / "foreign.pt"
+        torch.save({"format": repro_module.FORMAT, "kind": "op", "payload": payload.getvalue()}, foreign)
+        out = repro(python, foreign, tmp_path)
+        assert out.returncode == 2 and f"the op {name} does not exist in torch" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     # a class that cannot be imported where the command runs
     proc = python(TRAIN, "2", env={"AMPGUARD_REPRO_DIR": str(code / "bundles")}, cwd=code)

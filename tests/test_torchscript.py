@@ -270,3 +270,15 @@ def test_a_script_module_s_method_in_the_loss_code_is_said_to_be_unseen_not_free
         "tensors with grad, by code that ampguard's record did not see, and freed before the check (code below the " \
         "record: a TorchScript module's method" in message, message
     assert "keep the batch referenced" not in message
+
+
+def test_a_reproducer_is_not_written_for_a_script_function_and_the_message_says_why(tmp_path):
+    """A bundle names its op by its path in torch, which a script function's call has not: written, the bundle failed
+    to load with a traceback."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ampguard.NonFiniteError) as info, ampguard.guard(repro_dir=str(tmp_path)):
+        focal_loss_code(model(torch.rand(2, 4))).backward()
+        opt.step()
+    assert "no reproducer written: the op TorchScript function 'focal' is not one of torch's" in str(info.value)
+    assert list(tmp_path.iterdir()) == []

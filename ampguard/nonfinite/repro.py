@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _guard, _sync
 from .._errors import NonFiniteError
-from . import replay, report, sinks
+from . import replay, report, sinks, torchscript
 from .sinks import T, TapeOp, log
 
 FORMAT = "ampguard-repro/1"
@@ -79,8 +79,13 @@ def write(g: _guard.Guard, error: NonFiniteError, origin: Origin | None) -> str:
     captured = _capture(origin)
     target = captured.pop("target")
     if target is None:  # an op of the loss code, or of a method's own code (training_step's)
-        kind, payload = "op", {"func": report.op_name(captured.pop("func")), "args": captured.pop("args"),
-                               "kwargs": captured.pop("kwargs")}
+        name = report.op_name(captured.pop("func"))
+        try:
+            _resolve_func(name)
+        except (ImportError, AttributeError, ValueError):
+            raise NotBundled(f"the op {name} is not one of torch's, and a bundle names its op by its path in torch "
+                             "(a TorchScript function or a custom op is not)") from None
+        kind, payload = "op", {"func": name, "args": captured.pop("args"), "kwargs": captured.pop("kwargs")}
         names = {"module_class": None, "module_path": None, "root_class": None}
     else:
         root, module = getattr(event.module, "_orig_mod", event.module), target
@@ -150,7 +155,7 @@ def _capture(origin: Origin) -> dict:
                     kwargs = replay._map(session, event.kwargs, True, "an input of the loss code")
                     return {**_snapshot(None, args, kwargs, event.autocast, event.grad, False), "target": None,
                             "func": event.func}
-                args, kwargs = replay._map_call(session, event, type(root).__name__)
+                args, kwargs = replay._map_call(session, event, torchscript.class_name(root))
             except replay.Freed as freed:
                 raise NotBundled(str(freed)) from None
             return {**_snapshot(root, args, kwargs, event.autocast, event.grad, event.inference, rng=event.rng),
@@ -341,7 +346,7 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
         payload = torch.load(io.BytesIO(_as_bytes(meta["payload"])), weights_only=True, map_location=where)
         try:
             func = _resolve_func(payload["func"])
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError, ValueError):
             raise BadBundle(f"the op {payload['func']} does not exist in torch {torch.__version__}") from None
         module = _op_module(func, payload["kwargs"])
         how = "loaded with weights_only=True (an op and its tensors)"
