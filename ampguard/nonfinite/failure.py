@@ -617,9 +617,11 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
 def _script_at(session: replay.Session, site: tuple | None) -> tuple[torchscript.Scripted, Any] | None:
     """The TorchScript that the replay ran at ``site`` (the line that called it), from its ops' records, and the
     first of those records (for its module)."""
+    if site is None:
+        return None
     records = [rec for rec in session.records
                if type(rec.fn) is torchscript.Scripted and report.sites(rec.frames, rec.fn)[0] == site]
-    if site is None or not records:
+    if not records:
         return None
     return torchscript.scripted([o for rec in records for o in rec.fn.objects]), records[0]
 

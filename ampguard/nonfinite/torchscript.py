@@ -66,17 +66,21 @@ def class_name(module: Any) -> str:
 def running(frame: Any, module: Any) -> Scripted | None:
     """The TorchScript an op runs inside, for an op that no Python-level torch function ran (a replay's, seen below
     every Python frame): ``module`` if it is a script module (its forward runs as TorchScript), else the script
-    functions and modules the Python line running in ``frame`` names (``bias_gelu(b, y)``, ``self.fused(x)``)."""
-    if isinstance(module, sinks._torch.jit.ScriptModule):
-        return scripted([module])
-    torch_files = os.path.dirname(sinks._torch.__file__) + os.sep
-    while frame is not None and frame.f_code.co_filename.startswith(torch_files):
-        frame = frame.f_back  # (torch's own frames around the replay's dispatch: dynamo's disable wrapper)
-    if frame is None:
+    functions and modules the Python line running in ``frame`` names (``bias_gelu(b, y)``, ``self.fused(x)``). None
+    where it finds none, or fails: the op is then placed at its Python line, as before."""
+    try:
+        if isinstance(module, sinks._torch.jit.ScriptModule):
+            return scripted([module])
+        torch_files = os.path.dirname(sinks._torch.__file__) + os.sep
+        while frame is not None and frame.f_code.co_filename.startswith(torch_files):
+            frame = frame.f_back  # (torch's own frames around the replay's dispatch: dynamo's disable wrapper)
+        if frame is None:
+            return None
+        if frame.f_code is script_function_call.__code__:  # ampguard's wrapper of the call: its instance is the script
+            return scripted([frame.f_locals["instance"]])
+        return scripted(_named_on_line(frame))
+    except Exception:
         return None
-    if frame.f_code is script_function_call.__code__:  # (ampguard's wrapper of the call: its instance is the script)
-        return scripted([frame.f_locals["instance"]])
-    return scripted(_named_on_line(frame))
 
 
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK",
