@@ -167,6 +167,20 @@ def test_a_loss_code_op_is_bundled_as_the_op_and_loads_weights_only(python, tmp_
     assert "created by torch.log" in out.stdout
 
 
+def test_a_loss_code_op_called_through_torch_ops_is_bundled_by_its_aten_name(python, tmp_path):
+    """``torch.ops.aten.log.default(x)`` is named 'aten.log'; a bundle resolves that name through torch.ops. (It was
+    named 'torch._ops.aten.log.default', which no import finds: the bundle was written and failed to load.)"""
+    model = torch.nn.Linear(4, 2)
+    with ampguard.guard(repro_dir=str(tmp_path)), pytest.raises(ampguard.NonFiniteError) as info:
+        loss = torch.ops.aten.log.default(model(torch.rand(3, 4)) - 10).mean()
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert info.value.op == "aten.log" and info.value.repro is not None, str(info.value)
+    out = repro(python, info.value.repro, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "created by aten.log" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("where", ["loss code", "submodule"])
 def test_a_nan_in_lightnings_training_step_is_bundled_as_its_op_or_its_submodule(python, code, monkeypatch, where):
     """Under automatic optimization training_step is the outermost call. A NaN in its own code (its loss code) is

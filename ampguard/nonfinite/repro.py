@@ -322,6 +322,11 @@ def _resolve_func(name: str) -> Any:
 
     if name.startswith("Tensor."):
         return getattr(torch.Tensor, name[len("Tensor."):])
+    if name.startswith("aten."):  # torch.ops.aten.add.Tensor, as op_name names it
+        op = torch.ops.aten
+        for part in name.split(".")[1:]:
+            op = getattr(op, part)
+        return op
     module, _, attr = name.rpartition(".")
     return getattr(importlib.import_module(module), attr)
 
