@@ -436,12 +436,13 @@ def uninstall() -> None:
             _uninstall_if_unused()
 
 
-def _settle(g: Guard | None, error: bool) -> None:
-    """Read the checks still pending in ``g`` (raising if one failed), or drop them if an error is leaving."""
+def _settle(g: Guard | None, error: bool, leaving: BaseException | None = None) -> None:
+    """Read the checks still pending in ``g`` (raising if one failed), or drop them if an error is leaving; that
+    error (``leaving``) carries the origin of one that fails."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     sinks = sys.modules.get("ampguard.nonfinite.sinks")
     if g is not None and sinks is not None:
-        sinks.settle(g, error)
+        sinks.settle(g, error, leaving)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -539,6 +540,7 @@ def _block(options: dict[str, Any]) -> Iterator[Guard]:
     ident = threading.get_ident()
     g: Guard | None = None
     error = True
+    leaving: BaseException | None = None
     try:  # from the first step on: an interrupt anywhere in entering is undone by the finally below
         with _lock:
             outer = active()
@@ -555,12 +557,15 @@ def _block(options: dict[str, Any]) -> Iterator[Guard]:
             _update_switches()
         yield g
         error = False
+    except Exception as exc:  # (re-raised as it came; a pending check's origin rides on it)
+        leaving = exc
+        raise
     finally:
         with _lock:
             stack = _blocks.get(ident, [])
             try:
                 if g is not None and _LOCAL.guard is g:
-                    _settle(g, error)
+                    _settle(g, error, leaving)
             except AmpGuardError as intended:
                 raise intended.with_traceback(None) from None  # the block's exit is the one frame of ampguard's
             finally:

@@ -263,7 +263,7 @@ def _make_callback_class() -> type:
             if self._owns_guard:
                 self._owns_guard = False
                 if exception is not None:
-                    _guard._settle(_guard.active(), error=True)  # the stage's exception wins over checks queued before
+                    _guard._settle(_guard.active(), error=True, leaving=exception)  # the stage's exception wins
                 uninstall()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import math
+import sys
 import textwrap
 import warnings
 
@@ -462,9 +463,14 @@ def test_callback_lets_a_manual_optimization_error_win_over_the_nan_it_left_pend
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    with pytest.raises(RuntimeError, match="the user's own error"):
+    with pytest.raises(RuntimeError, match="the user's own error") as info:
         fit(L, Manual(), callbacks=[AmpGuardCallback()])
     assert ampguard.active() is None
+    # (the error carries the origin of the NaN it left pending: a note from Python 3.11, its cause before)
+    carried = "\n".join(getattr(info.value, "__notes__", ())) + str(info.value.__cause__ or "")
+    assert "The error above came after a value ampguard was about to check" in carried or sys.version_info < (3, 11)
+    assert "NaN reached the loss" in carried and "created by Tensor.log (inputs finite, output NaN)" in carried, \
+        carried
 
 
 def test_callback_options_apply_for_the_fit_over_a_guard_already_installed(L):

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import textwrap
 import warnings
 
 import pytest
@@ -834,3 +835,96 @@ def test_a_non_finite_optimizer_state_is_named_as_what_the_step_made_the_paramet
     assert "The optimizer step of SGD#0 made it: its gradients were finite at that step" in message
     assert "and its state 'momentum_buffer' for this parameter is not finite (NaN)." in message
     assert "torch's fused SGD" in message and "fused=True" in message
+
+
+# -- an error that leaves while a check waits for its read --------------------------------------------------
+class GaussianPolicy(torch.nn.Module):
+    """A policy network whose mean goes NaN: its distribution's own parameter check raises before any step reads it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 8)
+        self.mu = torch.nn.Linear(8, 2)
+        self.log_std = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, obs):
+        h = torch.tanh(self.body(obs))
+        return self.mu(torch.log(h)), self.log_std.exp()  # LOG LINE (tanh < 0: NaN)
+
+
+def _carried(error: BaseException) -> str:
+    """The origin an error carries: its notes (Python 3.11 on), or its cause (3.10)."""
+    notes = "\n".join(getattr(error, "__notes__", ()))
+    cause = error.__cause__
+    return notes + (str(cause) if isinstance(cause, ampguard.NonFiniteError) else "")
+
+
+def _origin_of_the_policy(text: str) -> bool:
+    return "NaN reached the output of module 'GaussianPolicy' (output 0)" in text and \
+        "created by torch.log (inputs finite, output NaN) in module 'GaussianPolicy'" in text and \
+        f"test_nonfinite.py:{line_of(GaussianPolicy.forward, 'LOG LINE')}" in text
+
+
+@pytest.mark.parametrize("rejecter", ["Normal", "multinomial"])
+def test_torch_s_own_error_at_a_nan_carries_the_origin_of_the_check_that_was_waiting(rejecter):
+    policy = GaussianPolicy()
+    error = ValueError if rejecter == "Normal" else RuntimeError
+    with pytest.raises(error) as info, ampguard.guard():
+        mu, std = policy(torch.randn(16, 4))
+        if rejecter == "Normal":
+            torch.distributions.Normal(mu, std)  # (validates its parameters: NaN is not Real)
+        else:
+            torch.multinomial(torch.softmax(mu, -1), 1)  # (probabilities with NaN)
+    assert type(info.value) is error  # (the error leaves as it came)
+    assert _origin_of_the_policy(_carried(info.value)), _carried(info.value)
+    if hasattr(info.value, "add_note"):
+        assert info.value.__notes__[0].startswith("\nThe error above came after a value ampguard was about to check")
+
+
+def test_an_error_after_finite_outputs_carries_nothing_and_leaves_no_check():
+    policy = GaussianPolicy()
+    with pytest.raises(ValueError) as info, ampguard.guard() as g:
+        policy(torch.rand(16, 4) + 1)  # (finite: tanh > 0)
+        raise ValueError("the user's own")
+    assert not _carried(info.value) and g.stats.nonfinite_detected == 0
+    assert not nonfinite.T.pending
+
+
+@pytest.mark.parametrize("leaving", [KeyboardInterrupt, torch.OutOfMemoryError])
+def test_an_interrupt_or_an_out_of_memory_error_leaves_without_a_read(leaving):
+    policy, held = GaussianPolicy(), []
+    with pytest.raises(leaving) as info, ampguard.guard() as g:
+        held.append(policy(torch.randn(16, 4)))  # (held: a read would find its NaN)
+        raise leaving("CUDA out of memory")
+    assert not _carried(info.value) and g.stats.nonfinite_detected == 0  # (no replay ran)
+    assert not nonfinite.T.pending
+
+
+def test_warn_mode_reads_nothing_as_an_error_leaves():
+    policy = GaussianPolicy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a warning here would take the place of the user's error)
+        with pytest.raises(ValueError) as info, ampguard.guard(nonfinite="warn") as g:
+            mu, std = policy(torch.randn(16, 4))
+            torch.distributions.Normal(mu, std)
+    assert not _carried(info.value) and g.stats.nonfinite_detected == 0
+
+
+def test_an_error_that_ends_an_installed_program_is_printed_with_the_origin(python, tmp_path):
+    script = tmp_path / "policy.py"
+    script.write_text(textwrap.dedent("""
+        import torch, ampguard
+        ampguard.install()
+        torch.manual_seed(0)
+        body, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        h = torch.tanh(body(torch.randn(16, 4)))
+        mu = head(torch.log(h))  # LOG LINE
+        torch.distributions.Normal(mu, torch.ones(2))
+    """))
+    proc = python(None, str(script))
+    assert proc.returncode == 1, proc.stderr
+    assert "ValueError: Expected parameter loc" in proc.stderr, proc.stderr
+    assert "created by torch.log (inputs finite, output NaN) at" in proc.stderr, proc.stderr
+    assert f"{script}:7 in <module>\n      mu = head(torch.log(h))  # LOG LINE" in proc.stderr, proc.stderr
+    assert "Error in sys.excepthook" not in proc.stderr

@@ -17,9 +17,10 @@ checks every op as it runs (slow, for debugging), ``"off"`` only checks the sink
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from .. import _sync
+from .. import _guard, _sync
 from .._fallback import internal_failure
 from .._patching import REGISTRY, Switch, Target, wrap_on_class
 from . import failure, outermost, report, sinks, torchscript
@@ -86,6 +87,31 @@ def _switch_module_compile() -> Any:
     return wrap_on_class(Module, "compile", _module_compile)
 
 
+def _switch_excepthook() -> Any:
+    """An error that ends the program while a check waits for its read (torch's own check of a NaN that reached a
+    distribution's parameters first, say) carries that check's origin when ``sys.excepthook`` prints it (see
+    failure.explain); a ``guard()`` block's error does so as it leaves the block. Put back at uninstall if it is still
+    the hook; one set on top of it later keeps calling it, and it then calls the hook it found."""
+    previous = sys.excepthook
+
+    def excepthook(kind: Any, error: Any, traceback: Any) -> Any:
+        try:
+            g = _guard.active()
+            if g is not None and error is not None:
+                failure.explain(g, error)
+        except Exception as exc:  # (the program's error is printed as it came)
+            internal_failure(FEATURE, exc)
+        return previous(kind, error, traceback)
+
+    sys.excepthook = excepthook
+
+    def off() -> None:
+        if sys.excepthook is excepthook:
+            sys.excepthook = previous
+
+    return off
+
+
 def _switch_module_state() -> Any:
     """``nn.Module.__getstate__`` wrapped on the class itself (see ``wrap_on_class``); a subclass's own override that
     calls it is covered through that call."""
@@ -111,6 +137,8 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_compile,
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_state,
                            "a module saved or copied while it has ampguard's instance hooks (its call open, or "
                            "interrupted by Ctrl-C) is saved or copied without them"))
+REGISTRY.add_switch(Switch("torch", FEATURE, _switch_excepthook,
+                           "an error that ends the program carries the origin of a check still waiting for its read"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_tensor_backward,
                            "Tensor.backward: end the loss code's record before torch dispatches the call to it"))
 REGISTRY.add(Target("torch", "torch.nn.modules.module", "_has_any_global_hook", outermost.global_hooks_but_ours,

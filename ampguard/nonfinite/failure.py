@@ -86,6 +86,32 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     emit(g, error)
 
 
+def explain(g: _guard.Guard, error: BaseException) -> None:
+    """An error of the user's code, or of torch's (a distribution's parameter check, ``multinomial``'s probabilities),
+    is leaving while a check of ``g`` waits for its read: the NaN often reached that code before the read did. The
+    checks are read now, and where one fails, ``error`` carries its message as a note (Python 3.11 on) or, where it
+    has no cause or context of its own, as its cause. The error itself leaves unchanged. Not where the read could
+    harm: an interrupt or an exit, an out-of-memory error (a replay would allocate again), a run whose ranks read
+    together (this rank alone would wait in the read's collective), warn and skip modes (their warning would meet a
+    filter that makes it an error, in place of the user's)."""
+    torch = sinks._torch
+    if not isinstance(error, Exception) or isinstance(error, (AmpGuardError, AmpGuardWarning)) or \
+            isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error) or \
+            g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
+            not any(p.guard is g for p in T.pending) or _guard.current(sinks.FEATURE) is not g:
+        return
+    try:
+        sinks.check()
+    except NonFiniteError as found:
+        found.__traceback__ = None
+        if hasattr(error, "add_note"):
+            error.add_note(f"\nThe error above came after a value ampguard was about to check:\n{found}")
+        elif error.__cause__ is None and error.__context__ is None:
+            error.__cause__ = found
+    except Exception as exc:  # (the user's error leaves as it came)
+        log.debug("ampguard: the pending checks could not be read as an error left", exc_info=exc)
+
+
 def _first_time(g: _guard.Guard, key: Any) -> bool:
     """Raise mode: always. Warn and skip mode: once per key (a sink and its module, or an eager op's site)."""
     if g.options.nonfinite not in ("warn", "skip"):

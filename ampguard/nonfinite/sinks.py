@@ -2080,11 +2080,14 @@ def drop(g: Any = None) -> None:
     _clear_window()
 
 
-def settle(g: _guard.Guard, exiting_with_error: bool) -> None:
-    """At guard() exit or uninstall(): read what is still pending, unless an exception is leaving."""
+def settle(g: _guard.Guard, exiting_with_error: bool, leaving: BaseException | None = None) -> None:
+    """At guard() exit or uninstall(): read what is still pending, unless an exception is leaving. That exception
+    (``leaving``) carries the origin of a pending check that fails (see failure.explain)."""
     __tracebackhide__ = True
     t = _here.state
     if exiting_with_error or _torch is None:
+        if leaving is not None and _torch is not None:
+            _failure.explain(g, leaving)
         drop(g)
         return
     if any(p.guard is g for p in t.pending) and _guard.current(FEATURE) is g:
