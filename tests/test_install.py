@@ -332,3 +332,23 @@ def test_options_table_and_dataclass_agree():
 
 def test_python_version_supported():
     assert sys.version_info >= (3, 10)
+
+
+def test_the_excepthook_is_put_back_exactly_and_one_set_on_top_of_it_is_kept():
+    import torch  # noqa: F401 (the hook comes with torch's import, as the patches do)
+
+    original = sys.excepthook
+    ampguard.install()
+    ampguard.install()
+    ours = sys.excepthook
+    assert ours is not original
+    ampguard.uninstall()
+    assert sys.excepthook is original  # (installed twice, hooked once)
+    ampguard.install()
+    theirs = lambda kind, error, traceback: None  # noqa: E731 (a traceback library's, set after ours)
+    sys.excepthook = theirs
+    try:
+        ampguard.uninstall()
+        assert sys.excepthook is theirs  # (theirs stays: it may call ours, which calls the hook it found)
+    finally:
+        sys.excepthook = original
