@@ -872,8 +872,8 @@ def test_torch_s_own_error_at_a_nan_carries_the_origin_of_the_check_that_was_wai
     error = ValueError if rejecter == "Normal" else RuntimeError
     with pytest.raises(error) as info, ampguard.guard():
         mu, std = policy(torch.randn(16, 4))
-        if rejecter == "Normal":
-            torch.distributions.Normal(mu, std)  # (validates its parameters: NaN is not Real)
+        if rejecter == "Normal":  # (NaN is not Real. Explicit: dynamo, once used, turns the default off)
+            torch.distributions.Normal(mu, std, validate_args=True)
         else:
             torch.multinomial(torch.softmax(mu, -1), 1)  # (probabilities with NaN)
     assert type(info.value) is error  # (the error leaves as it came)
@@ -907,7 +907,7 @@ def test_warn_mode_reads_nothing_as_an_error_leaves():
         warnings.simplefilter("error")  # (a warning here would take the place of the user's error)
         with pytest.raises(ValueError) as info, ampguard.guard(nonfinite="warn") as g:
             mu, std = policy(torch.randn(16, 4))
-            torch.distributions.Normal(mu, std)
+            torch.distributions.Normal(mu, std, validate_args=True)
     assert not _carried(info.value) and g.stats.nonfinite_detected == 0
 
 
