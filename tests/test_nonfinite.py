@@ -928,3 +928,14 @@ def test_an_error_that_ends_an_installed_program_is_printed_with_the_origin(pyth
     assert "created by torch.log (inputs finite, output NaN) at" in proc.stderr, proc.stderr
     assert f"{script}:7 in <module>\n      mu = head(torch.log(h))  # LOG LINE" in proc.stderr, proc.stderr
     assert "Error in sys.excepthook" not in proc.stderr
+
+
+def test_an_error_that_cannot_be_printed_still_leaves_as_it_came():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("its __str__ fails")
+
+    policy, held = GaussianPolicy(), []
+    with pytest.raises(Unprintable), ampguard.guard():
+        held.append(policy(torch.randn(16, 4)))
+        raise Unprintable

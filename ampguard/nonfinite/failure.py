@@ -90,17 +90,18 @@ def explain(g: _guard.Guard, error: BaseException) -> None:
     """An error of the user's code, or of torch's (a distribution's parameter check, ``multinomial``'s probabilities),
     is leaving while a check of ``g`` waits for its read: the NaN often reached that code before the read did. The
     checks are read now, and where one fails, ``error`` carries its message as a note (Python 3.11 on) or, where it
-    has no cause or context of its own, as its cause. The error itself leaves unchanged. Not where the read could
-    harm: an interrupt or an exit, an out-of-memory error (a replay would allocate again), a run whose ranks read
-    together (this rank alone would wait in the read's collective), warn and skip modes (their warning would meet a
-    filter that makes it an error, in place of the user's)."""
+    has no cause or context of its own, as its cause. The error itself leaves unchanged. Not for control flow (an
+    iterator's end), nor where the read could harm: an interrupt or an exit, an out-of-memory error (a replay would
+    allocate again), a run whose ranks read together (this rank alone would wait in the read's collective), warn
+    and skip modes (their warning would meet a filter that makes it an error, in place of the user's)."""
     torch = sinks._torch
-    if not isinstance(error, Exception) or isinstance(error, (AmpGuardError, AmpGuardWarning)) or \
-            isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error) or \
-            g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
-            not any(p.guard is g for p in T.pending) or _guard.current(sinks.FEATURE) is not g:
-        return
     try:
+        if not isinstance(error, Exception) or \
+                isinstance(error, (AmpGuardError, AmpGuardWarning, StopIteration, StopAsyncIteration)) or \
+                isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error) or \
+                g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
+                not any(p.guard is g for p in T.pending) or _guard.current(sinks.FEATURE) is not g:
+            return
         sinks.check()
     except NonFiniteError as found:
         found.__traceback__ = None
