@@ -98,7 +98,7 @@ def explain(g: _guard.Guard, error: BaseException) -> None:
     try:
         if not isinstance(error, Exception) or \
                 isinstance(error, (AmpGuardError, AmpGuardWarning, StopIteration, StopAsyncIteration)) or \
-                isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error) or \
+                isinstance(error, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(error) or \
                 g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
                 not any(p.guard is g for p in T.pending) or _guard.current(sinks.FEATURE) is not g:
             return
