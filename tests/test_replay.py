@@ -1647,3 +1647,27 @@ def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps
         opt.step()
     message = str(info.value)
     assert "(inputs finite, output NaN)" in message and advice in message, message
+
+
+def _masked_mean(out, mask):
+    return (out * mask).sum() / mask.sum()  # (a mask that selects nothing: 0/0)
+
+
+def _mean_of_selection(out, mask):
+    return out[mask.bool()].mean()  # (an empty selection)
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+@pytest.mark.parametrize(("made_by", "op", "advice"), [
+    (_masked_mean, "Tensor.div", "A division of finite values is NaN only as 0/0"),
+    (_mean_of_selection, "Tensor.mean", "The mean of no elements is NaN (0/0)"),
+], ids=["masked mean", "mean of an empty selection"])
+def test_an_empty_mean_is_named_with_the_count_that_was_0(made_by, op, advice, trace):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
+        made_by(model(torch.rand(3, 4)), torch.zeros(3, 2)).backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == op and advice in message, message

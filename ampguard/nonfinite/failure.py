@@ -463,6 +463,13 @@ _OP_ADVICE = (
      "cross_entropy and nll_loss with reduction='mean' divide by the total weight of the targets that are not "
      "ignore_index: a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0. Skip "
      "such batches, or take reduction='sum' and divide by the count of targets, at least 1."),
+    (re.compile(r"(?<![a-z_])(div|divide|true_divide)_?\b"), "nan",
+     "A division of finite values is NaN only as 0/0: a sum divided by a count that is 0 (a masked mean whose mask "
+     "selects nothing) or a vector divided by its norm when it is all zeros. Divide by count.clamp(min=1), or by "
+     "norm + eps (F.normalize does)."),
+    (re.compile(r"(?<![a-z_])(mean|nanmean)\b"), "nan",
+     "The mean of no elements is NaN (0/0): a selection that is empty (x[mask] where the mask selects nothing, a "
+     "batch with no positive pairs). Skip that case, or take x.sum() / count.clamp(min=1)."),
     (re.compile(r"(?<![a-z_])(acos|asin|arccos|arcsin)_?\b"), "nan",
      "acos and asin are NaN outside [-1, 1], and a cosine computed in floating point (a normalized dot product) can "
      "pass 1 by a rounding error: clamp it to [-1 + eps, 1 - eps] first (the eps also bounds the gradient at ±1)."),
