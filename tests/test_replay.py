@@ -1671,3 +1671,29 @@ def test_an_empty_mean_is_named_with_the_count_that_was_0(made_by, op, advice, t
         opt.step()
     err, message = info.value, str(info.value)
     assert err.op == op and advice in message, message
+
+
+def _hand_written_softmax(logits):
+    e = torch.exp(logits)  # EXP LINE (overflows above 88.7 in float32)
+    return e / e.sum(-1, keepdim=True)  # DIV LINE (Inf / Inf)
+
+
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_an_exp_that_overflows_is_named_and_the_division_it_fed_is_not_called_0_over_0(trace):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
+        logits = model(torch.rand(2, 4)) + torch.tensor([100.0, 0.0, 0.0])
+        _hand_written_softmax(logits)[:, 0].mean().backward()  # (Inf / Inf: NaN reaches the loss)
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert "0/0" not in message, message  # (Inf / Inf: no count was 0)
+    if trace == "replay":  # (the walk follows the +Inf back to the op that made it)
+        assert err.op == "torch.exp" and "created by torch.exp (inputs finite, output +Inf)" in message, message
+        assert "exp overflows to +Inf above 88.7 in float32" in message, message
+        assert err.origin[-1].lineno == line_of(_hand_written_softmax, "EXP LINE"), message
+    else:  # (eager mode stops at the first NaN, and says its inputs held Inf)
+        assert err.op == "Tensor.div", message
+        assert "Tensor.div created NaN from inputs that held Inf but no NaN" in message, message
+        assert err.origin[-1].lineno == line_of(_hand_written_softmax, "DIV LINE"), message

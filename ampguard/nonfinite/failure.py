@@ -470,6 +470,9 @@ _OP_ADVICE = (
     (re.compile(r"(?<![a-z_])(mean|nanmean)\b"), "nan",
      "The mean of no elements is NaN (0/0): a selection that is empty (x[mask] where the mask selects nothing, a "
      "batch with no positive pairs). Skip that case, or take x.sum() / count.clamp(min=1)."),
+    (re.compile(r"(?<![a-z_])(exp|exp2)_?\b"), "inf",
+     "exp overflows to +Inf above 88.7 in float32 and above 11.1 in float16: subtract the maximum first, as softmax, "
+     "log_softmax and logsumexp do, or compute it in float32."),
     (re.compile(r"(?<![a-z_])(acos|asin|arccos|arcsin)_?\b"), "nan",
      "acos and asin are NaN outside [-1, 1], and a cosine computed in floating point (a normalized dot product) can "
      "pass 1 by a rounding error: clamp it to [-1 + eps, 1 - eps] first (the eps also bounds the gradient at ±1)."),
@@ -681,7 +684,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}"]
+                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))
@@ -852,6 +855,8 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
         numbers = [v for v in leaves if isinstance(v, float) and v != v]
         if any(bool(torch.isnan(t).any()) for t in inputs):
             return
+        infinite = [v for v in leaves if isinstance(v, float) and v in (math.inf, -math.inf)] or \
+            [t for t in inputs if bool(torch.isinf(t).any())]  # (an Inf in: the op did not make it from finite values)
     g = _guard.current(sinks.FEATURE)
     if g is None:
         return
@@ -862,7 +867,8 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     stack = T.eager_stack
     module = _module_path(g, T.window, stack[0], stack[-1]) if stack else None
     own, user_site, user = report.sites(frames)
-    how = f"from the Python number {numbers[0]!r} it was given" if numbers else "from inputs without NaN"
+    how = f"from the Python number {numbers[0]!r} it was given" if numbers else \
+        "from inputs that held Inf but no NaN" if infinite else "from inputs without NaN"
     lines = [f"ampguard: {label} created NaN {how}"
              + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
     if inside is not None:
@@ -870,7 +876,8 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     lines.append(f"  value: {report.describe_tensor(bad[0])}")
-    lines.extend(_op_advice(label, ("nan",)))
+    if not numbers and not infinite:
+        lines.extend(_op_advice(label, ("nan",)))
     if user:
         lines.append("  your stack at the origin (innermost last):")
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
