@@ -1697,3 +1697,17 @@ def test_an_exp_that_overflows_is_named_and_the_division_it_fed_is_not_called_0_
         assert err.op == "Tensor.div", message
         assert "Tensor.div created NaN from inputs that held Inf but no NaN" in message, message
         assert err.origin[-1].lineno == line_of(_hand_written_softmax, "DIV LINE"), message
+
+
+def test_a_log_of_a_probability_that_underflowed_is_named_with_log_softmax():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        logits = model(torch.rand(2, 4)) + torch.tensor([0.0, 200.0, 0.0])  # (class 0's probability: e^-200 = 0)
+        loss = -torch.log(torch.softmax(logits, -1)[:, 0]).mean()
+        loss.backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "torch.log" and "(inputs finite, output -Inf)" in message, message
+    assert "log(0) is -Inf: a probability that underflowed to 0" in message and "log_softmax" in message, message

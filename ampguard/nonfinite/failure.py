@@ -473,6 +473,9 @@ _OP_ADVICE = (
     (re.compile(r"(?<![a-z_])(exp|exp2)_?\b"), "inf",
      "exp overflows to +Inf above 88.7 in float32 and above 11.1 in float16: subtract the maximum first, as softmax, "
      "log_softmax and logsumexp do, or compute it in float32."),
+    (re.compile(r"(?<![a-z_])(log|log2|log10)_?\b"), "-inf",
+     "log(0) is -Inf: a probability that underflowed to 0 (below 1e-45 in float32, 6e-8 in float16). Take "
+     "log_softmax or logsigmoid instead of the log of softmax or sigmoid, or clamp it (min=eps) first."),
     (re.compile(r"(?<![a-z_])(acos|asin|arccos|arcsin)_?\b"), "nan",
      "acos and asin are NaN outside [-1, 1], and a cosine computed in floating point (a normalized dot product) can "
      "pass 1 by a rounding error: clamp it to [-1 + eps, 1 - eps] first (the eps also bounds the gradient at ±1)."),
