@@ -384,7 +384,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.append(f"  It was created by {label} ({finite}, output {origin_kinds}){in_module} at\n"
                      f"    {report.where(own)}")
         if isinstance(rec.fn, torchscript.Scripted):
-            lines.extend(torchscript.lines(rec.fn, rec.name))
+            lines.extend(_script_lines(rec.fn, rec.name))
         if user_site is not None and user_site != own:
             lines.append(f"  called from your code at\n    {report.where(user_site)}")
         alive = rec.ref()
@@ -642,7 +642,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         node = found["node"].rpartition("::")[2]
         lines = [f"  The backward of {script} (torch's {node}, the backward of several of the script's ops at once) "
                  f"turned finite gradients into {report.kinds_words(found['kinds'])}. The script was called{in_module} "
-                 f"at\n    {report.where(own)}", *torchscript.unbounded_lines(script)]
+                 f"at\n    {report.where(own)}", *_unbounded_lines(script)]
     else:
         m = _NODE.match(found["node"])
         forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
@@ -652,6 +652,36 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, \
         [*lines, *_written_inputs(session, True), *how]
+
+
+_SITES_SHOWN = 5  # lines listed where a script's graph has the op more than once
+
+
+def _script_lines(label: torchscript.Scripted, op: str) -> list[str]:
+    """The lines for op ``op`` inside TorchScript ``label``, under the line that called the script: where the script's
+    graph calls the op (TorchScript runs no Python frame, so no Python line is where it is)."""
+    found = torchscript.sites(label, op)
+    kind = torchscript.graph_kind(op)
+    lead = f"  That line runs {label}, which runs no Python frame"
+    if not found:
+        return [f"{lead}. Its graph has no {kind} node to place the op by (torch may run it inside another op)."]
+    if len(found) == 1:
+        head = f"{lead}. In its source, the op is at"
+    else:
+        head = f"{lead}. Its source has {kind} at {len(found)} places"
+        head += f" (the first {_SITES_SHOWN} below):" if len(found) > _SITES_SHOWN else ":"
+    return [head, *(f"    {report.where(site)}" for site in found[:_SITES_SHOWN])]
+
+
+def _unbounded_lines(label: torchscript.Scripted) -> list[str]:
+    """The lines naming where the script has an op whose gradient is unbounded near some input, for a NaN made in
+    its backward (see torchscript.unbounded_sites)."""
+    found = torchscript.unbounded_sites(label)
+    if not found:
+        return []
+    head = "  Its ops whose gradient is unbounded near some input (sqrt or pow at 0, log near 0, division by a small " \
+           "value)" + (f", the first {_SITES_SHOWN}:" if len(found) > _SITES_SHOWN else ":")
+    return [head, *(f"    {kind} at {report.where(site)}" for kind, site in found[:_SITES_SHOWN])]
 
 
 def _script_at(session: replay.Session, site: tuple | None) -> tuple[torchscript.Scripted, Any] | None:
@@ -875,7 +905,7 @@ def check_eager(func: Any, frames: tuple, index: int, outs: list, args: tuple, k
     lines = [f"ampguard: {label} created NaN {how}"
              + (f" in module '{module}'" if module else "") + f" at\n    {report.where(own)}"]
     if inside is not None:
-        lines.extend(torchscript.lines(func.label(), inside))
+        lines.extend(_script_lines(func.label(), inside))
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     lines.append(f"  value: {report.describe_tensor(bad[0])}")

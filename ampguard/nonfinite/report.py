@@ -177,7 +177,7 @@ def where(frame: tuple | None) -> str:
         return "(no frame)"
     filename, lineno, function = frame
     line = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno} in {function}" + (f"\n      {line}" if line else "")
+    return f"{filename}:{lineno}" + (f" in {function}" if function else "") + (f"\n      {line}" if line else "")
 
 
 def stack_summary(user: list) -> traceback.StackSummary:

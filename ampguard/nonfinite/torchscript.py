@@ -12,7 +12,6 @@ from __future__ import annotations
 import builtins
 import dis
 import inspect
-import linecache
 import os
 import re
 import types
@@ -21,7 +20,6 @@ from typing import Any
 from .._frames import line_at
 from . import sinks
 
-MAX_LINES = 5  # lines listed where the script's graph has the op more than once
 _SCRIPTED = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')  # a scripted graph's source range
 _TRACED = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<function>\S+)$")  # a traced graph's: the stack it traced
 
@@ -184,7 +182,7 @@ def _site(source_range: str) -> tuple[str, int, str] | None:
 
 def sites(label: Scripted, op: str) -> list[tuple[str, int, str]]:
     """(file, line, function) of each node of the aten op ``op`` ('aten.log') in the graphs of ``label``'s scripts."""
-    kind = op.replace(".", "::", 1)
+    kind = graph_kind(op)
     found: list = []
     for obj in label.objects:
         try:
@@ -204,42 +202,17 @@ UNBOUNDED = ("aten.sqrt", "aten.rsqrt", "aten.log", "aten.log2", "aten.log10", "
              "aten.reciprocal", "aten.acos", "aten.asin", "aten.atanh", "aten.norm", "aten.linalg_vector_norm")
 
 
-def unbounded_lines(label: Scripted) -> list[str]:
-    """Where the script has an op whose gradient is unbounded near some input: TorchScript's autodiff runs the backward
-    of several ops as one node, so which of them turned the gradients non-finite is not known."""
-    found = [(op, site) for op in UNBOUNDED for site in sites(label, op)]
-    if not found:
-        return []
-    found.sort(key=lambda item: (item[1][0], item[1][1]))
-    out = ["  Its ops whose gradient is unbounded near some input (sqrt or pow at 0, log near 0, division by a small "
-           "value)" + (f", the first {MAX_LINES}:" if len(found) > MAX_LINES else ":")]
-    for op, (filename, lineno, function) in found[:MAX_LINES]:
-        text = linecache.getline(filename, lineno).strip()
-        in_function = f" in {function}" if function else ""
-        at = f"    {op.replace('.', '::', 1)} at {filename}:{lineno}{in_function}"
-        out.append(at + (f"\n      {text}" if text else ""))
-    return out
+def unbounded_sites(label: Scripted) -> list[tuple[str, tuple[str, int, str]]]:
+    """(graph kind, site) of each op of ``label``'s scripts whose gradient is unbounded near some input, in source
+    order: TorchScript's autodiff runs the backward of several ops as one node, so which of them turned the gradients
+    non-finite is not known."""
+    found = [(graph_kind(op), site) for op in UNBOUNDED for site in sites(label, op)]
+    return sorted(found, key=lambda item: (item[1][0], item[1][1]))
 
 
-def lines(label: Scripted, op: str) -> list[str]:
-    """The message's lines for op ``op`` inside TorchScript ``label``, under the line that called it: where the
-    script's graph calls the op."""
-    found = sites(label, op)
-    kind = op.replace(".", "::", 1)
-    lead = f"  That line runs {label}, which runs no Python frame"
-    if not found:
-        return [f"{lead}. Its graph has no {kind} node to place the op by (torch may run it inside another op)."]
-    if len(found) == 1:
-        head = f"{lead}. In its source, the op is at"
-    else:
-        head = f"{lead}. Its source has {kind} at {len(found)} places"
-        head += f" (the first {MAX_LINES} below):" if len(found) > MAX_LINES else ":"
-    out = [head]
-    for filename, lineno, function in found[:MAX_LINES]:
-        text = linecache.getline(filename, lineno).strip()
-        in_function = f" in {function}" if function else ""
-        out.append(f"    {filename}:{lineno}{in_function}" + (f"\n      {text}" if text else ""))
-    return out
+def graph_kind(op: str) -> str:
+    """The kind of a graph node of aten op ``op``: 'aten.log' -> 'aten::log'."""
+    return op.replace(".", "::", 1)
 
 
 # -- the loss-code record ---------------------------------------------------------------------------------
