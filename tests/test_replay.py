@@ -1609,6 +1609,18 @@ def test_a_cross_entropy_whose_targets_are_all_ignored_names_the_empty_mean(trac
     assert "a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0" in message
 
 
+def _error_of_a_step(loss_of, trace="replay", width=4):
+    """The NonFiniteError (and its message) of one SGD step of a Linear(4, width) on 2 rows, whose loss is
+    ``loss_of(output)``, under ``guard(trace=trace)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
+        loss_of(model(torch.rand(2, 4))).backward()
+        opt.step()
+    return info.value, str(info.value)
+
+
 def _cosine_angle(a, b):
     return torch.acos((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)))  # (a rounding error can pass 1)
 
@@ -1632,20 +1644,12 @@ def _fractional_power(a, b):
     (_fractional_power, "pow: a negative base to a fractional power"),
 ])
 def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps_it_inside(made_by, advice):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # (a vector whose cosine with itself is 1.0000001 in float32: the dot product and the norms round differently)
     same = torch.tensor([0.1919950693845749, 0.5427713394165039, -2.2187793254852295, 0.2589845359325409])
-    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
-        out = model(torch.rand(2, 4))
-        if made_by is _cosine_angle:
-            value = made_by(same + 0 * out, same.expand(2, 4))
-        else:
-            value = made_by(out, torch.rand(2, 4))
-        value.mean().backward()
-        opt.step()
-    message = str(info.value)
+    if made_by is _cosine_angle:
+        _, message = _error_of_a_step(lambda out: made_by(same + 0 * out, same.expand(2, 4)).mean())
+    else:
+        _, message = _error_of_a_step(lambda out: made_by(out, torch.rand(2, 4)).mean())
     assert "(inputs finite, output NaN)" in message and advice in message, message
 
 
@@ -1663,13 +1667,7 @@ def _mean_of_selection(out, mask):
     (_mean_of_selection, "Tensor.mean", "The mean of no elements is NaN (0/0)"),
 ], ids=["masked mean", "mean of an empty selection"])
 def test_an_empty_mean_is_named_with_the_count_that_was_0(made_by, op, advice, trace):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
-        made_by(model(torch.rand(3, 4)), torch.zeros(3, 2)).backward()
-        opt.step()
-    err, message = info.value, str(info.value)
+    err, message = _error_of_a_step(lambda out: made_by(out, torch.zeros(2, 2)), trace, width=2)
     assert err.op == op and advice in message, message
 
 
@@ -1680,14 +1678,8 @@ def _hand_written_softmax(logits):
 
 @pytest.mark.parametrize("trace", ["replay", "eager"])
 def test_an_exp_that_overflows_is_named_and_the_division_it_fed_is_not_called_0_over_0(trace):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ampguard.guard(trace=trace), pytest.raises(ampguard.NonFiniteError) as info:
-        logits = model(torch.rand(2, 4)) + torch.tensor([100.0, 0.0, 0.0])
-        _hand_written_softmax(logits)[:, 0].mean().backward()  # (Inf / Inf: NaN reaches the loss)
-        opt.step()
-    err, message = info.value, str(info.value)
+    err, message = _error_of_a_step(  # (Inf / Inf: NaN reaches the loss)
+        lambda out: _hand_written_softmax(out + torch.tensor([100.0, 0.0, 0.0]))[:, 0].mean(), trace, width=3)
     assert "0/0" not in message, message  # (Inf / Inf: no count was 0)
     if trace == "replay":  # (the walk follows the +Inf back to the op that made it)
         assert err.op == "torch.exp" and "created by torch.exp (inputs finite, output +Inf)" in message, message
@@ -1700,14 +1692,7 @@ def test_an_exp_that_overflows_is_named_and_the_division_it_fed_is_not_called_0_
 
 
 def test_a_log_of_a_probability_that_underflowed_is_named_with_log_softmax():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
-        logits = model(torch.rand(2, 4)) + torch.tensor([0.0, 200.0, 0.0])  # (class 0's probability: e^-200 = 0)
-        loss = -torch.log(torch.softmax(logits, -1)[:, 0]).mean()
-        loss.backward()
-        opt.step()
-    err, message = info.value, str(info.value)
+    err, message = _error_of_a_step(  # (class 0's probability: e^-200 = 0)
+        lambda out: -torch.log(torch.softmax(out + torch.tensor([0.0, 200.0, 0.0]), -1)[:, 0]).mean(), width=3)
     assert err.op == "torch.log" and "(inputs finite, output -Inf)" in message, message
     assert "log(0) is -Inf: a probability that underflowed to 0" in message and "log_softmax" in message, message
