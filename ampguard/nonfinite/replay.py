@@ -392,11 +392,17 @@ def _no_collectives() -> Any:
 
 
 class Freed(Exception):
-    """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive."""
+    """An input of a recorded call that the user no longer held: ampguard keeps no tensor alive. ``advice``: what to
+    do to have it replayed, where the usual advice (keep the batch) does not fit."""
 
     advice = ("ampguard keeps no tensor alive past your last reference, so keep the batch referenced until the "
               "check (at the optimizer step; for a call under no_grad, such as evaluation or prediction, at the next "
               "call of the same module) to have it replayed")
+
+    def __init__(self, message: str, advice: str | None = None) -> None:
+        super().__init__(message)
+        if advice is not None:
+            self.advice = advice
 
 
 def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
@@ -410,19 +416,17 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
                 raise Freed(f"{where} comes from a call that was not replayed "
                             f"({session.unreplayed[value.event]})")
             if value.event == sinks.RELEASED:
-                freed = Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
-                              "accumulates gradients, whose checks are read together at the step (on a device, in one "
-                              "sync; in a distributed run, where every rank decides together)")
-                freed.advice = ("to have it replayed, keep the micro-batches referenced until the step, or run "
-                                "without accumulation (accumulate_grad_batches=1) while you look for it")
-                raise freed
+                raise Freed(f"{where} was freed before the check: it is an earlier micro-batch of a step that "
+                            "accumulates gradients, whose checks are read together at the step (on a device, in one "
+                            "sync; in a distributed run, where every rank decides together)",
+                            "to have it replayed, keep the micro-batches referenced until the step, or run without "
+                            "accumulation (accumulate_grad_batches=1) while you look for it")
             if value.event == sinks.UNSEEN:
-                freed = Freed(f"{where} was made, from tensors with grad, by code that ampguard's record did not see, "
-                              "and freed before the check (code below the record: a TorchScript module's method, a C++ "
-                              "extension's function, or code that ran before the step's first model call)")
-                freed.advice = ("keep that tensor referenced until the check (at the optimizer step) to have the "
-                                "rest replayed from it; the code that made it cannot be replayed")
-                raise freed
+                raise Freed(f"{where} was made, from tensors with grad, by code that ampguard's record did not see, "
+                            "and freed before the check (code below the record: a TorchScript module's method, a C++ "
+                            "extension's function, or code that ran before the step's first model call)",
+                            "keep that tensor referenced until the check (at the optimizer step) to have the rest "
+                            "replayed from it; the code that made it cannot be replayed")
             raise Freed(f"{where} was freed before the check")
         value = original
     if isinstance(value, torch.Tensor):
@@ -503,11 +507,10 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
             return
         module = event.module
         if module is None:
-            freed = Freed(f"module '{event.module_name}', called without grad, was freed before the check")
-            freed.advice = ("ampguard holds a module called without grad (evaluation, prediction) no longer than "
-                            "you do: keep it referenced until the check (the next call of the same module) to have the "
-                            "call replayed")
-            raise freed
+            raise Freed(f"module '{event.module_name}', called without grad, was freed before the check",
+                        "ampguard holds a module called without grad (evaluation, prediction) no longer than you do: "
+                        "keep it referenced until the check (the next call of the same module) to have the call "
+                        "replayed")
         module = getattr(module, "_orig_mod", module)
         args, kwargs = _map_call(session, event, torchscript.class_name(module))
         _set_rng(event.rng)
