@@ -164,6 +164,17 @@ def added_syncs(make, **options) -> int:
     return counts[1] - counts[0]
 
 
+class AroundAnOp(torch.nn.Module):
+    """``a`` = Linear(4, 4), then the op a test is about, then ``b`` = Linear(4, 1), seeded: the smallest model with
+    parameters before and after the op. Each test's subclass writes ``forward``, with the op's line marked."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+
 class TokenLM(torch.nn.Module):
     """A language model's shape, as small as it gets: token embedding, then logits over the vocabulary."""
 

@@ -4,18 +4,12 @@ import contextlib
 
 import pytest
 import torch
-from loops import line_of
+from loops import AroundAnOp, line_of
 
 import ampguard
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 1)
-
+class Net(AroundAnOp):
     def forward(self, x):
         h = self.a(x)
         h = torch.sqrt(h - 100.0)  # SQRT LINE
@@ -50,15 +44,12 @@ scripted_bias_log, scripted_focal, scripted_two_logs, scripted_noisy_log, script
     torch.jit.script, (bias_log, focal, two_logs, noisy_log, root_of_zero))
 
 
-class CallsScript(torch.nn.Module):
+class CallsScript(AroundAnOp):
     """A Python model whose forward calls a script function (a fused activation, as Megatron's and older timm's are)."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 4)
         self.bias = torch.nn.Parameter(torch.zeros(4))
-        self.b = torch.nn.Linear(4, 1)
 
     def forward(self, x):
         h = self.a(x) - 10
@@ -135,26 +126,20 @@ def test_trace_eager_names_the_op_inside_a_script_function_that_made_a_nan_where
     assert "Found by replaying" not in message  # (found as it ran; the script alone was run again)
 
 
-def test_a_script_function_in_the_loss_code_is_recorded_and_its_nan_named():
+@pytest.mark.parametrize("trace", ["replay", "eager"])
+def test_a_script_function_in_the_loss_code_is_recorded_and_its_nan_named(trace):
     """Before, the record saw nothing of the call: its output came from nowhere it knew, and the message said that an
-    input of the loss code was freed before the check, though the loop held everything."""
-    model = torch.nn.Linear(4, 1)
-    err, message = _raised(model, "replay", focal_loss_code)
+    input of the loss code was freed before the check, though the loop held everything. trace='eager' checks the
+    call's output as it is made, and runs the script again to name the op inside."""
+    err, message = _raised(torch.nn.Linear(4, 1), trace, focal_loss_code)
     assert err.op == "aten.log"
-    assert "created by aten.log inside TorchScript function 'focal' (inputs finite, output NaN) at\n" \
-        f"    {_at(focal_loss_code, 'LOSS LINE')}" in message
+    made = {"replay": "created by aten.log inside TorchScript function 'focal' (inputs finite, output NaN) at",
+            "eager": "aten.log inside TorchScript function 'focal' created NaN from inputs without NaN at"}[trace]
+    assert f"{made}\n    {_at(focal_loss_code, 'LOSS LINE')}" in message
     assert f"In its source, the op is at\n    {_at(focal, 'FOCAL LOG LINE')}" in message
-    assert "freed before the check" not in message
-    assert "path to the sink: aten.log inside TorchScript function 'focal' -> " in message
-
-
-def test_trace_eager_checks_a_script_function_in_the_loss_code_as_it_runs():
-    model = torch.nn.Linear(4, 1)
-    err, message = _raised(model, "eager", focal_loss_code)
-    assert err.op == "aten.log"
-    assert "aten.log inside TorchScript function 'focal' created NaN from inputs without NaN at\n" \
-        f"    {_at(focal_loss_code, 'LOSS LINE')}" in message
-    assert f"In its source, the op is at\n    {_at(focal, 'FOCAL LOG LINE')}" in message
+    if trace == "replay":
+        assert "freed before the check" not in message
+        assert "path to the sink: aten.log inside TorchScript function 'focal' -> " in message
 
 
 def test_trace_eager_runs_a_script_function_again_with_the_run_s_random_state_left_as_it_was():
@@ -178,13 +163,7 @@ def test_an_op_the_script_has_at_several_places_lists_each_of_them():
 
 
 def test_a_nan_made_only_in_the_backward_of_a_script_names_the_script_and_its_unbounded_ops():
-    class Residual(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.a = torch.nn.Linear(4, 4)
-            self.b = torch.nn.Linear(4, 1)
-
+    class Residual(AroundAnOp):
         def forward(self, x):
             h = self.a(x)
             return self.b(scripted_root_of_zero(h) + h)  # RESIDUAL LINE
