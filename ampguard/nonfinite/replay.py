@@ -143,7 +143,7 @@ class Session:
             module = root  # an op of the root's own forward (the replay calls it without _call_impl)
         fn = self.fn
         if fn is None:  # no Python-level torch call ran it: TorchScript may have (a script module or function)
-            fn = torchscript.running(sys._getframe(2) if self.frames is None else None, module)
+            fn = torchscript.running(sys._getframe(2), module)
         written = op not in sinks.UNINITIALIZED  # (else: no op made its bits)
         schema = getattr(func, "_schema", None)
         mutable = schema is not None and schema.is_mutable
@@ -550,13 +550,11 @@ def _run_event(session: Session, event: Any, index: int, checker: Any, names: An
         if op.func is torch.autograd.grad:
             args, kwargs = _retaining(args, kwargs)
         session.frames = op.frames
-        if type(op.func) is torchscript.ScriptCall:  # (its ops run below the naming mode: named by the script)
-            session.fn = op.func.label()
         try:
             with torch.set_grad_enabled(op.grad), _autocast(op.autocast), names, checker:
                 out = sinks.written_output(op.func, args, op.func(*args, **kwargs))
         finally:
-            session.frames = session.fn = None
+            session.frames = None
         _map_outputs(session, index, out)
         _claim_nodes(session, index, out)
 

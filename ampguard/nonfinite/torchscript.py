@@ -65,7 +65,8 @@ def running(frame: Any, module: Any) -> Scripted | None:
     """The TorchScript an op runs inside, for an op that no Python-level torch function ran (a replay's, seen below
     every Python frame): ``module`` if it is a script module (its forward runs as TorchScript), else the script
     functions and modules the Python line running in ``frame`` names (``bias_gelu(b, y)``, ``self.fused(x)``). None
-    where it finds none, or fails: the op is then placed at its Python line, as before."""
+    where it finds none, or fails: the op is then placed at its Python line, as before. (``frame``: the innermost one
+    running; a replayed loss-code op keeps its recorded frames for its place, but runs here.)"""
     try:
         if isinstance(module, sinks._torch.jit.ScriptModule):
             return scripted([module])
@@ -74,8 +75,12 @@ def running(frame: Any, module: Any) -> Scripted | None:
             frame = frame.f_back  # (torch's own frames around the replay's dispatch: dynamo's disable wrapper)
         if frame is None:
             return None
-        if frame.f_code is script_function_call.__code__:  # ampguard's wrapper of the call: its instance is the script
+        # ampguard's own frames around a script function's call: the wrapper's (its instance is the script), and the
+        # recorded call's that a replay of the loss code runs
+        if frame.f_code is script_function_call.__code__:
             return scripted([frame.f_locals["instance"]])
+        if frame.f_code is ScriptCall.__call__.__code__:
+            return scripted([frame.f_locals["self"].script])
         return scripted(_named_on_line(frame))
     except Exception:
         return None
