@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from loops import gan_class
+from loops import gan_class, line_of
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampguard
@@ -471,6 +471,33 @@ def test_callback_lets_a_manual_optimization_error_win_over_the_nan_it_left_pend
     assert "The error above came after a value ampguard was about to check" in carried or sys.version_info < (3, 11)
     assert "NaN reached the loss" in carried and "created by Tensor.log (inputs finite, output NaN)" in carried, \
         carried
+
+
+def test_a_nan_that_torch_s_own_check_meets_in_training_step_is_named_by_replaying_it(L):
+    """Under automatic optimization training_step is the outermost call: it raised before it returned a loss, nothing
+    was pending, and torch's ValueError left without the line that made the NaN."""
+    from ampguard.lightning import AmpGuardCallback
+
+    class Gaussian(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            mu, var = self.layer(batch[0]).unbind(-1)
+            std = (var - 10.0).sqrt()  # SQRT LINE (a negative variance: NaN)
+            return -torch.distributions.Normal(mu, std, validate_args=True).log_prob(batch[0][:, 0]).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="Expected parameter scale") as info:
+        fit(L, Gaussian(), callbacks=[AmpGuardCallback()])
+    carried = "\n".join(getattr(info.value, "__notes__", ())) + str(info.value.__cause__ or "")
+    assert "NaN was made in the call of 'Gaussian.training_step' before it raised." in carried, carried
+    assert "created by Tensor.sqrt (inputs finite, output NaN) in module 'Gaussian'" in carried, carried
+    assert f"test_lightning.py:{line_of(Gaussian.training_step, 'SQRT LINE')}" in carried, carried
 
 
 def test_callback_options_apply_for_the_fit_over_a_guard_already_installed(L):

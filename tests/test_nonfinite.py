@@ -4,6 +4,7 @@ import contextlib
 import math
 import textwrap
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -928,6 +929,84 @@ def test_an_error_that_ends_an_installed_program_is_printed_with_the_origin(pyth
     assert "created by torch.log (inputs finite, output NaN) at" in proc.stderr, proc.stderr
     assert f"{script}:7 in <module>\n      mu = head(torch.log(h))  # LOG LINE" in proc.stderr, proc.stderr
     assert "Error in sys.excepthook" not in proc.stderr
+
+
+class VAE(torch.nn.Module):
+    """A VAE whose forward builds its posterior: torch's own check of the scale raises inside the call, before the call
+    has an output that a check could read."""
+
+    def __init__(self, offset=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.Linear(8, 8)
+        self.mu, self.var = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        self.dec = torch.nn.Linear(4, 8)
+        self.offset = offset  # (a large one: every variance positive, no NaN)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        std = torch.sqrt(self.var(h) + self.offset)  # SQRT LINE (a negative variance: NaN)
+        q = torch.distributions.Normal(self.mu(h), std, validate_args=True)
+        return self.dec(q.rsample()), q
+
+
+def test_a_nan_that_torch_s_own_check_meets_inside_the_forward_is_named_by_replaying_that_call():
+    """The forward raised before it returned: no output was a sink, nothing was pending, and the ValueError of torch's
+    parameter check left as it came, without the line that made the NaN."""
+    model = VAE()
+    with pytest.raises(ValueError, match="Expected parameter scale") as info, ampguard.guard() as g:
+        model(torch.randn(16, 8))
+    assert type(info.value) is ValueError  # (the error leaves as it came, the origin carried)
+    carried = _carried(info.value)
+    assert "NaN was made in the call of 'VAE' before it raised." in carried, carried
+    assert "created by torch.sqrt (inputs finite, output NaN) in module 'VAE'" in carried, carried
+    assert f"test_nonfinite.py:{line_of(VAE.forward, 'SQRT LINE')}" in carried, carried
+    if hasattr(info.value, "add_note"):
+        assert info.value.__notes__[0].startswith("\nampguard replayed the call that raised the error above:")
+    assert g.stats.nonfinite_detected == 0  # (the user's error, not a NonFiniteError)
+    assert nonfinite.T.raised is None
+
+
+def test_a_call_that_raises_on_an_output_of_an_earlier_call_is_replayed_after_it():
+    """The raising call's input is the window's own output (an encoder's features): the replay runs the encoder first
+    and hands its replayed output on."""
+    torch.manual_seed(0)
+    encoder, vae = torch.nn.Linear(8, 8), VAE()
+    with pytest.raises(ValueError) as info, ampguard.guard():
+        vae(encoder(torch.randn(16, 8)))
+    carried = _carried(info.value)
+    assert "created by torch.sqrt (inputs finite, output NaN) in module 'VAE'" in carried, carried
+
+
+@pytest.mark.parametrize("raise_", ["no NaN", "trace off", "warn mode", "another error after it"])
+def test_an_error_out_of_a_forward_carries_nothing_where_no_nan_was_made_or_no_replay_is_wanted(raise_):
+    model = VAE(offset=100.0 if raise_ == "no NaN" else 0.0)
+    options = {"trace": "off"} if raise_ == "trace off" else {"nonfinite": "warn"} if raise_ == "warn mode" else {}
+    x = torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a warning would take the place of the user's error)
+        with pytest.raises(ValueError) as info, ampguard.guard(**options):
+            if raise_ == "another error after it":
+                try:
+                    model(x)
+                except ValueError:
+                    pass  # (the user handled it; the error that leaves is another)
+                raise ValueError("the user's own")
+            model(x)
+            raise ValueError("the user's own, after a forward that made no NaN")
+    assert not _carried(info.value), _carried(info.value)
+
+
+def test_a_call_that_raised_holds_none_of_its_inputs():
+    model, x = VAE(), torch.randn(16, 8)
+    held = weakref.ref(x)
+    with ampguard.guard():
+        try:
+            model(x)
+        except ValueError:
+            pass
+        del x
+        assert held() is None  # (freed as without ampguard, with the guard still open)
 
 
 def test_an_error_that_cannot_be_printed_still_leaves_as_it_came():

@@ -90,27 +90,75 @@ def explain(g: _guard.Guard, error: BaseException) -> None:
     """An error of the user's code, or of torch's (a distribution's parameter check, ``multinomial``'s probabilities),
     is leaving while a check of ``g`` waits for its read: the NaN often reached that code before the read did. The
     checks are read now, and where one fails, ``error`` carries its message as a note (Python 3.11 on) or, where it
-    has no cause or context of its own, as its cause. The error itself leaves unchanged. Not for control flow (an
+    has no cause or context of its own, as its cause. The error itself leaves unchanged. Where none fails and the
+    error came out of an outermost call (a forward that builds ``Normal(mu, std)`` from a NaN), that call is
+    replayed, and the first op in it that made a NaN (else an Inf) is named the same way. Not for control flow (an
     iterator's end), nor where the read could harm: an interrupt or an exit, an out-of-memory error (a replay would
     allocate again), a run whose ranks read together (this rank alone would wait in the read's collective), warn
     and skip modes (their warning would meet a filter that makes it an error, in place of the user's)."""
-    torch = sinks._torch
+    raised, T.raised = T.raised, None
     try:
-        if not isinstance(error, Exception) or \
-                isinstance(error, (AmpGuardError, AmpGuardWarning, StopIteration, StopAsyncIteration)) or \
-                isinstance(error, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(error) or \
-                g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
-                not any(p.guard is g for p in T.pending) or _guard.current(sinks.FEATURE) is not g:
+        if not_explained(error) or g.options.nonfinite != "raise" or sinks._read_by_every_rank(g) or \
+                _guard.current(sinks.FEATURE) is not g:
             return
-        sinks.check()
+        if any(p.guard is g for p in T.pending):
+            sinks.check()
+        if raised is not None and g.options.trace != "off" and raised.raised(error):
+            found = sinks.outside_compile(_raised_origin)(g, raised)
+            if found is not None:
+                _note(error, found, "\nampguard replayed the call that raised the error above:")
     except NonFiniteError as found:
-        found.__traceback__ = None
-        if hasattr(error, "add_note"):
-            error.add_note(f"\nThe error above came after a value ampguard was about to check:\n{found}")
-        elif error.__cause__ is None and error.__context__ is None:
-            error.__cause__ = found
+        _note(error, found, "\nThe error above came after a value ampguard was about to check:")
     except Exception as exc:  # (the user's error leaves as it came)
         log.debug("ampguard: the pending checks could not be read as an error left", exc_info=exc)
+
+
+def not_explained(error: BaseException) -> bool:
+    """An error that :func:`explain` leaves alone whatever is pending: not an Exception (an interrupt, an exit),
+    ampguard's own, control flow (an iterator's end), an out-of-memory error (a replay would allocate again)."""
+    torch = sinks._torch
+    if not isinstance(error, Exception) or \
+            isinstance(error, (AmpGuardError, AmpGuardWarning, StopIteration, StopAsyncIteration)) or \
+            isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    try:
+        return "out of memory" in str(error)
+    except Exception:  # (an error whose __str__ fails: left as it came)
+        return True
+
+
+def _note(error: BaseException, found: NonFiniteError, lead: str) -> None:
+    found.__traceback__ = None
+    if hasattr(error, "add_note"):
+        error.add_note(f"{lead}\n{found}")
+    elif error.__cause__ is None and error.__context__ is None:
+        error.__cause__ = found
+
+
+def _raised_origin(g: _guard.Guard, raised: sinks.Raised) -> NonFiniteError | None:
+    """Replay the window up to the call that raised, and that call until it raises again; the first op that made a
+    NaN (else a +Inf: -Inf alone is a mask's), traced back to its origin, or None where none did."""
+    call = raised.call
+    call.index = raised.length
+    window = [*raised.window[:raised.length], call]
+    session = replay.Session()
+    with replay.untouched(window):
+        try:
+            replay.run_window(session, window)
+        except Exception as again:  # (the call raising again, as it did: what ran before it is recorded)
+            log.debug("ampguard: the call that raised raised again in its replay", exc_info=again)
+    records = session.records
+    start = next((i for i, rec in enumerate(records) if "nan" in rec.kinds), replay.first_made(session))
+    if start is None:
+        return None
+    module = call.module_name if call.method is None else f"{call.module_name}.{call.method}"
+    p = sinks.Pending(g, f"call of '{module}' that raised it", False, [], None, call)
+    kind = replay.primary(records[start].kinds) or "nan"
+    found = _origin_error(g, p, session, window, replay.walk(session, start), kind, [],
+                          head=f"ampguard: {report.kind_word(kind)} was made in the call of '{module}' before it "
+                               "raised.")
+    T.repro_origin = None  # (no bundle: the error is the user's, not a NonFiniteError raised)
+    return found
 
 
 def _first_time(g: _guard.Guard, key: Any) -> bool:
@@ -355,7 +403,9 @@ def _names(g: _guard.Guard, window: list) -> dict[int, str]:
 
 
 def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: list, result: dict,
-                  kind: str, noted: list[str]) -> NonFiniteError:
+                  kind: str, noted: list[str], head: str | None = None) -> NonFiniteError:
+    """``head``: the first line, where the value reached no sink (see _raised_origin); without a sink tensor, the last
+    line that describes it is left out."""
     records = session.records
     rec = records[result["origin"]]
     if g.options.repro_dir is not None and rec.event >= 0:
@@ -365,7 +415,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     module = _module_path(g, window, rec.root, rec.module)
     own, user_site, user = report.sites(rec.frames, rec.fn)
     names = _names(g, window)
-    lines = [f"ampguard: {report.kind_word(kind)} reached the {p.sink}.", *noted,
+    lines = [head or f"ampguard: {report.kind_word(kind)} reached the {p.sink}.", *noted,
              "  Found by replaying the call op by op (same inputs, RNG state, autocast and grad mode)."]
     origin_kinds = report.kinds_words(rec.kinds)
     in_module = f" in module '{module}'" if module else ""
@@ -408,12 +458,12 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     lines.extend(_written_inputs(session, True))
     chain = [_label(records[i])[0] for i in result["path"]]
     shown = chain if len(chain) <= 8 else [*chain[:3], f"... {len(chain) - 6} ops ...", *chain[-3:]]
-    lines.append(f"  path to the sink: {' -> '.join(shown)}")
+    lines.append(f"  path to the {'sink' if head is None else 'first such value'}: {' -> '.join(shown)}")
     if user:
         lines.append("  your stack at the origin (innermost last):")
         lines.extend("    " + line.rstrip("\n") for line in report.stack_summary(user).format())
-    tensor = _sink_tensor(p)
-    lines.append(f"  {p.sink}: {report.describe_tensor(tensor)}")
+    if head is None:
+        lines.append(f"  {p.sink}: {report.describe_tensor(_sink_tensor(p))}")
     lines.append(_CAUSES)
     return NonFiniteError("\n".join(lines), kind=kind, sink=p.sink, op=op, module=module,
                           origin=report.stack_summary(user) if user else None, chain=chain)

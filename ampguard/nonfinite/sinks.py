@@ -263,6 +263,7 @@ class _Thread:
         self.snapshots: dict[int, tuple] = {}  # id(root) -> (root, buffers, copies) before this step's forward
         self.last_error: Any = None  # the latest non-finite error, for the consecutive-skip error
         self.repro_origin: Any = None  # what the failure path found, for a reproducer bundle (repro.Origin)
+        self.raised: Raised | None = None  # the latest outermost call that raised, until the next one (see Raised)
 
 
 _here = PerThread(_Thread)
@@ -826,6 +827,7 @@ def enter(module: Any, frame: Any, method: str | None = None) -> int:
     t.resume_tape = resume
     # (a method, training_step, is called by a Trainer's loop: no frame of the user's calls it)
     site, swapped = call_site(module, frame) if method is None else (None, None)
+    t.raised = None  # (a call that raised before this one is no longer what an error leaving now came from)
     t.entry = (_rng_state(), _autocast_state(), grad,
                torch.is_inference_mode_enabled(), site, t.steps, method or redirected(module), swapped)
     options = g.options
@@ -976,6 +978,7 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
     if raised:
         # The call made nothing (an out-of-memory error that the loop catches, to retry a smaller batch): it is
         # not in the window, where a replay would run it again and fail on it, and no loss code follows it.
+        _keep_raised(g, t, module, args, kwargs, entry)
         if t.eager:
             end_tape(t)
         elif t.resume_tape:
@@ -1057,6 +1060,48 @@ def exit(module: Any, args: tuple, kwargs: dict, output: Any, raised: bool = Fal
         # (a teacher's NaN is then one warning, not one more for the loss it reaches), and a distributed run where
         # every rank reads together.
         check()
+
+
+class Raised:
+    """An outermost call that raised, kept until the next one opens so that failure.explain can replay it: torch's own
+    check often meets a NaN inside the forward before any sink can (``Normal(loc, scale)`` built in a VAE's forward
+    raises "found invalid values"). Everything is held weakly: the error's traceback holds the call's frames, and
+    with them its inputs, while the error is on its way. The error is known by its id and the path its traceback had
+    as the call ended, which stays the innermost part of its traceback as it goes up: an id alone is no identity
+    (the next error made takes the freed one's memory at once). ``window``: the window as the call ended, which a
+    read or a drop replaces, not empties; the call's inputs may be outputs of its first ``length`` events."""
+
+    __slots__ = ("call", "error", "length", "path", "window")
+
+    def __init__(self, call: Call, error: BaseException, window: list, length: int) -> None:
+        self.call, self.error, self.window, self.length = call, id(error), window, length
+        self.path = _traceback_path(error)
+
+    def raised(self, error: BaseException) -> bool:
+        """Whether ``error`` is the one this call raised."""
+        if id(error) != self.error:
+            return False
+        path = _traceback_path(error)
+        return len(path) >= len(self.path) and path[len(path) - len(self.path):] == self.path
+
+
+def _traceback_path(error: BaseException) -> list:
+    path, tb = [], error.__traceback__
+    while tb is not None:
+        path.append((tb.tb_frame.f_code, tb.tb_lasti))
+        tb = tb.tb_next
+    return path
+
+
+def _keep_raised(g: _guard.Guard, t: _Thread, module: Any, args: tuple, kwargs: dict, entry: tuple) -> None:
+    """The call raised: kept for failure.explain (see Raised), where it could name what made a NaN. Not where a replay
+    is not wanted (trace='off', warn and skip modes, an out-of-memory error: see failure.explain)."""
+    error = sys.exc_info()[1]
+    if error is None or g.options.trace == "off" or \
+            g.options.nonfinite != "raise" or not isinstance(error, Exception) or _failure.not_explained(error):
+        return
+    call = Call(_ModuleRef(module), weak(args, False), weak(kwargs, False) if kwargs else kwargs, entry, [])
+    t.raised = Raised(call, error, t.window, len(t.window))
 
 
 def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
@@ -2088,8 +2133,10 @@ def settle(g: _guard.Guard, exiting_with_error: bool, leaving: BaseException | N
     if exiting_with_error or _torch is None:
         if leaving is not None and _torch is not None:
             _failure.explain(g, leaving)
+        t.raised = None
         drop(g)
         return
+    t.raised = None
     if any(p.guard is g for p in t.pending) and _guard.current(FEATURE) is g:
         check()
     drop(g)
