@@ -1097,8 +1097,7 @@ def _keep_raised(g: _guard.Guard, t: _Thread, module: Any, args: tuple, kwargs: 
     """The call raised: kept for failure.explain (see Raised), where it could name what made a NaN. Not where a replay
     is not wanted (trace='off', warn and skip modes, an out-of-memory error: see failure.explain)."""
     error = sys.exc_info()[1]
-    if error is None or g.options.trace == "off" or \
-            g.options.nonfinite != "raise" or not isinstance(error, Exception) or _failure.not_explained(error):
+    if error is None or g.options.trace == "off" or g.options.nonfinite != "raise" or _failure.not_explained(error):
         return
     call = Call(_ModuleRef(module), weak(args, False), weak(kwargs, False) if kwargs else kwargs, entry, [])
     t.raised = Raised(call, error, t.window, len(t.window))
