@@ -103,7 +103,7 @@ def explain(g: _guard.Guard, error: BaseException) -> None:
             return
         if any(p.guard is g for p in T.pending):
             sinks.check()
-        if raised is not None and g.options.trace != "off" and raised.raised(error):
+        if raised is not None and raised.is_from(error):  # (kept only where trace is on: see sinks._keep_raised)
             found = sinks.outside_compile(_raised_origin)(g, raised)
             if found is not None:
                 _note(error, found, "\nampguard replayed the call that raised the error above:")
@@ -139,8 +139,7 @@ def _raised_origin(g: _guard.Guard, raised: sinks.Raised) -> NonFiniteError | No
     """Replay the window up to the call that raised, and that call until it raises again; the first op that made a
     NaN (else a +Inf: -Inf alone is a mask's), traced back to its origin, or None where none did."""
     call = raised.call
-    call.index = raised.length
-    window = [*raised.window[:raised.length], call]
+    window = [*raised.window[:call.index], call]
     session = replay.Session()
     with replay.untouched(window):
         try:

@@ -1069,17 +1069,17 @@ class Raised:
     with them its inputs, while the error is on its way. The error is known by its id and the path its traceback had
     as the call ended, which stays the innermost part of its traceback as it goes up: an id alone is no identity
     (the next error made takes the freed one's memory at once). ``window``: the window as the call ended, which a
-    read or a drop replaces, not empties; the call's inputs may be outputs of its first ``length`` events."""
+    read or a drop replaces, not empties; the call's inputs may be outputs of its events before ``call.index``."""
 
-    __slots__ = ("call", "error", "length", "path", "window")
+    __slots__ = ("call", "error_id", "path", "window")
 
-    def __init__(self, call: Call, error: BaseException, window: list, length: int) -> None:
-        self.call, self.error, self.window, self.length = call, id(error), window, length
+    def __init__(self, call: Call, error: BaseException, window: list) -> None:
+        self.call, self.error_id, self.window = call, id(error), window
         self.path = _traceback_path(error)
 
-    def raised(self, error: BaseException) -> bool:
+    def is_from(self, error: BaseException) -> bool:
         """Whether ``error`` is the one this call raised."""
-        if id(error) != self.error:
+        if id(error) != self.error_id:
             return False
         path = _traceback_path(error)
         return len(path) >= len(self.path) and path[len(path) - len(self.path):] == self.path
@@ -1100,7 +1100,8 @@ def _keep_raised(g: _guard.Guard, t: _Thread, module: Any, args: tuple, kwargs: 
     if error is None or g.options.trace == "off" or g.options.nonfinite != "raise" or _failure.not_explained(error):
         return
     call = Call(_ModuleRef(module), weak(args, False), weak(kwargs, False) if kwargs else kwargs, entry, [])
-    t.raised = Raised(call, error, t.window, len(t.window))
+    call.index = len(t.window)  # (its place, were it in the window: a replay runs it after the events before it)
+    t.raised = Raised(call, error, t.window)
 
 
 def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
