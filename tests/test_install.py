@@ -334,21 +334,25 @@ def test_python_version_supported():
     assert sys.version_info >= (3, 10)
 
 
-def test_the_excepthook_is_put_back_exactly_and_one_set_on_top_of_it_is_kept():
+@pytest.mark.parametrize("hooks", ["sys", "threading"])
+def test_the_excepthook_is_put_back_exactly_and_one_set_on_top_of_it_is_kept(hooks):
+    import threading
+
     import torch  # noqa: F401 (the hook comes with torch's import, as the patches do)
 
-    original = sys.excepthook
+    where = sys if hooks == "sys" else threading
+    original = where.excepthook
     ampguard.install()
     ampguard.install()
-    ours = sys.excepthook
+    ours = where.excepthook
     assert ours is not original
     ampguard.uninstall()
-    assert sys.excepthook is original  # (installed twice, hooked once)
+    assert where.excepthook is original  # (installed twice, hooked once)
     ampguard.install()
-    theirs = lambda kind, error, traceback: None  # noqa: E731 (a traceback library's, set after ours)
-    sys.excepthook = theirs
+    theirs = lambda *args: None  # noqa: E731 (a traceback library's, set after ours)
+    where.excepthook = theirs
     try:
         ampguard.uninstall()
-        assert sys.excepthook is theirs  # (theirs stays: it may call ours, which calls the hook it found)
+        assert where.excepthook is theirs  # (theirs stays: it may call ours, which calls the hook it found)
     finally:
-        sys.excepthook = original
+        where.excepthook = original

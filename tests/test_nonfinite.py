@@ -3,6 +3,7 @@
 import contextlib
 import math
 import textwrap
+import threading
 import warnings
 import weakref
 
@@ -995,6 +996,39 @@ def test_an_error_out_of_a_forward_carries_nothing_where_no_nan_was_made_or_no_r
             model(x)
             raise ValueError("the user's own, after a forward that made no NaN")
     assert not _carried(info.value), _carried(info.value)
+
+
+@pytest.mark.parametrize("actor", ["a check waits", "the call raised"])
+def test_an_error_that_ends_a_thread_carries_the_origin_that_thread_s_checks_find(actor, monkeypatch):
+    """An RL actor or a request handler in a thread of its own: threading.excepthook prints its error, in that thread,
+    with the origin of its checks (sys.excepthook never sees it). Put back exactly at uninstall."""
+    seen = []
+    hook = seen.append
+    monkeypatch.setattr(threading, "excepthook", hook)  # (the hook ampguard finds at install and calls)
+    policy, vae = GaussianPolicy(), VAE()
+
+    def act():
+        if actor == "a check waits":
+            mu, std = policy(torch.randn(16, 4))
+            torch.distributions.Normal(mu, std, validate_args=True)
+        else:
+            vae(torch.randn(16, 8))
+
+    ampguard.install()
+    try:
+        thread = threading.Thread(target=act)
+        thread.start()
+        thread.join()
+    finally:
+        ampguard.uninstall()
+    assert threading.excepthook is hook
+    [args] = seen
+    assert type(args.exc_value) is ValueError and args.thread is thread
+    carried = _carried(args.exc_value)
+    if actor == "a check waits":
+        assert _origin_of_the_policy(carried), carried
+    else:
+        assert "created by torch.sqrt (inputs finite, output NaN) in module 'VAE'" in carried, carried
 
 
 def test_a_call_that_raised_holds_none_of_its_inputs():

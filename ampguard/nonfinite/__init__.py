@@ -18,6 +18,7 @@ checks every op as it runs (slow, for debugging), ``"off"`` only checks the sink
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 from .. import _guard, _sync
@@ -88,28 +89,42 @@ def _switch_module_compile() -> Any:
 
 
 def _switch_excepthook() -> Any:
-    """An error that ends the program while a check waits for its read (torch's own check of a NaN that reached a
-    distribution's parameters first, say) carries that check's origin when ``sys.excepthook`` prints it (see
-    failure.explain); a ``guard()`` block's error does so as it leaves the block. Put back at uninstall if it is still
-    the hook; one set on top of it later keeps calling it, and it then calls the hook it found."""
-    previous = sys.excepthook
+    """An error that ends the program, or a thread, while a check waits for its read (torch's own check of a NaN that
+    reached a distribution's parameters first, say) carries that check's origin when ``sys.excepthook`` or
+    ``threading.excepthook`` prints it (see failure.explain); a ``guard()`` block's error does so as it leaves the
+    block. threading calls its hook in the thread that raised, so the thread's own checks are read (an RL actor's, a
+    request's). Each is put back at uninstall if it is still the hook; one set on top of it later keeps calling it,
+    and it then calls the hook it found."""
+    previous, previous_thread = sys.excepthook, threading.excepthook
 
     def excepthook(kind: Any, error: Any, traceback: Any) -> Any:
-        try:
-            g = _guard.active()
-            if g is not None and error is not None:
-                failure.explain(g, error)
-        except Exception as exc:  # (the program's error is printed as it came)
-            internal_failure(FEATURE, exc)
+        _explain(error)
         return previous(kind, error, traceback)
 
+    def thread_excepthook(args: Any) -> Any:
+        _explain(args.exc_value)
+        return previous_thread(args)
+
     sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
 
     def off() -> None:
         if sys.excepthook is excepthook:
             sys.excepthook = previous
+        if threading.excepthook is thread_excepthook:
+            threading.excepthook = previous_thread
 
     return off
+
+
+def _explain(error: Any) -> None:
+    """The program's or the thread's error as it ends it (printed as it came, whatever happens here)."""
+    try:
+        g = _guard.active()
+        if g is not None and error is not None:
+            failure.explain(g, error)
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
 
 
 def _switch_module_state() -> Any:
@@ -138,7 +153,8 @@ REGISTRY.add_switch(Switch("torch", FEATURE, _switch_module_state,
                            "a module saved or copied while it has ampguard's instance hooks (its call open, or "
                            "interrupted by Ctrl-C) is saved or copied without them"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_excepthook,
-                           "an error that ends the program carries the origin of a check still waiting for its read"))
+                           "an error that ends the program or a thread carries the origin of a check still "
+                           "waiting for its read"))
 REGISTRY.add_switch(Switch("torch", FEATURE, _switch_tensor_backward,
                            "Tensor.backward: end the loss code's record before torch dispatches the call to it"))
 REGISTRY.add(Target("torch", "torch.nn.modules.module", "_has_any_global_hook", outermost.global_hooks_but_ours,
