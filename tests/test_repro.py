@@ -255,11 +255,15 @@ def test_broken_bundles_get_one_line_not_a_traceback(python, code, tmp_path):
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.ones(2)}, other)
     for path, words in ((garbage, "is not a readable ampguard bundle"),
-                        (other, "is not an ampguard reproducer bundle"),
-                        (tmp_path / "missing.pt", "no such file")):
+                        (other, "is not an ampguard reproducer bundle")):
         out = repro(python, path, tmp_path)
         assert out.returncode == 2 and words in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    # a path that is not there: said at once, before torch's import (seconds)
+    out = python(None, "-c", "import sys\nfrom ampguard.__main__ import main\n"
+                 "code = main(['repro', 'missing.pt'])\nprint(code, 'torch' in sys.modules)", cwd=tmp_path)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert out.stderr.strip() == "ampguard repro: no such file: missing.pt", out.stderr
     # an op that is not torch's (a bundle written before the writer refused them: a script function, a custom op)
     for name in ("TorchScript function 'focal'", "mylib.shifted_log"):
         payload = io.BytesIO()
