@@ -473,10 +473,18 @@ def test_callback_lets_a_manual_optimization_error_win_over_the_nan_it_left_pend
         carried
 
 
-def test_a_nan_that_torch_s_own_check_meets_in_training_step_is_named_by_replaying_it(L):
+@pytest.mark.parametrize("how", ["AmpGuardCallback", "install() alone"])
+def test_a_nan_that_torch_s_own_check_meets_in_training_step_is_named_by_replaying_it(L, how):
     """Under automatic optimization training_step is the outermost call: it raised before it returned a loss, nothing
-    was pending, and torch's ValueError left without the line that made the NaN."""
+    was pending, and torch's ValueError left without the line that made the NaN. Without the callback (AMPGUARD=1 on a
+    script, a notebook, a test) Lightning's own error path carries it: no sys.excepthook prints an error caught here."""
     from ampguard.lightning import AmpGuardCallback
+
+    seen = []
+
+    class Probe(L.Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            seen.append(list(getattr(exception, "__notes__", ())))  # (another callback sees the error with its note)
 
     class Gaussian(L.LightningModule):
         def __init__(self):
@@ -492,10 +500,14 @@ def test_a_nan_that_torch_s_own_check_meets_in_training_step_is_named_by_replayi
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    if how == "install() alone":
+        ampguard.install()
     with pytest.raises(ValueError, match="Expected parameter scale") as info:
-        fit(L, Gaussian(), callbacks=[AmpGuardCallback()])
+        fit(L, Gaussian(), callbacks=[Probe()] + ([AmpGuardCallback()] if how == "AmpGuardCallback" else []))
     carried = "\n".join(getattr(info.value, "__notes__", ())) + str(info.value.__cause__ or "")
     assert "NaN was made in the call of 'Gaussian.training_step' before it raised." in carried, carried
+    if hasattr(info.value, "add_note"):
+        assert len(info.value.__notes__) == 1 and seen == [info.value.__notes__]  # (once, before on_exception)
     assert "created by Tensor.sqrt (inputs finite, output NaN) in module 'Gaussian'" in carried, carried
     assert f"test_lightning.py:{line_of(Gaussian.training_step, 'SQRT LINE')}" in carried, carried
 

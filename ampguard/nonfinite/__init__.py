@@ -118,13 +118,23 @@ def _switch_excepthook() -> Any:
 
 
 def _explain(error: Any) -> None:
-    """The program's or the thread's error as it ends it (printed as it came, whatever happens here)."""
+    """The program's, the thread's or the Lightning stage's error as it ends it (it leaves as it came, whatever
+    happens here)."""
     try:
         g = _guard.active()
         if g is not None and error is not None:
             failure.explain(g, error)
     except Exception as exc:
         internal_failure(FEATURE, exc)
+
+
+def _lightning_interrupt(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Lightning's error path (``trainer.call._interrupt``): a stage raised, and its callbacks' ``on_exception`` and
+    the strategy's teardown come next, then the error leaves ``fit()``. It carries the origin from here, under any
+    guard: ``AMPGUARD=1`` without ``AmpGuardCallback``, in a notebook or a test, where no ``sys.excepthook`` ever
+    prints it. Before the callbacks see it, and before teardown moves the model (a replay runs it where it ran)."""
+    _explain(args[1] if len(args) > 1 else kwargs.get("exception"))
+    return wrapped(*args, **kwargs)
 
 
 def _switch_module_state() -> Any:
@@ -193,6 +203,9 @@ for _namespace in ("lightning.pytorch", "pytorch_lightning"):
     REGISTRY.add(Target(_namespace, f"{_namespace}.callbacks.lr_finder:LearningRateFinder", "lr_find",
                         sinks._lr_range_test, "an LR range test reads the loss diverging (NaN/Inf) as its answer: its "
                         "run has no non-finite checks", feature=FEATURE))
+    REGISTRY.add(Target(_namespace, f"{_namespace}.trainer.call", "_interrupt", _lightning_interrupt,
+                        "a stage's error carries the origin of its checks before on_exception and teardown",
+                        feature=FEATURE))
     for _method in ("log", "log_dict"):
         REGISTRY.add(Target(_namespace, f"{_namespace}.core.module:LightningModule", _method, sinks._lightning_log,
                             "self.log() is not loss code: its torch calls skip the loss-code record", feature=FEATURE))
