@@ -242,10 +242,15 @@ def _interrupted(n, action):
 
     count = 0
     root = os.path.dirname(ampguard.__file__) + os.sep
+    # On Python 3.10 an exception that a trace function raises as a generator resumes ends the generator without its
+    # finally blocks (CPython leaves the frame before it unwinds), which no Ctrl-C can do: a signal is raised at an
+    # instruction inside the frame, and unwinds it. Counted there, the resume of guard()'s block as it exits left that
+    # block open for good (seen once, where the stride below met it). A resume (f_lasti >= 0) is no place there.
+    resumes = sys.version_info < (3, 11)
 
     def tracer(frame, event, arg):
         nonlocal count
-        if event == "call" and frame.f_code.co_filename.startswith(root):
+        if event == "call" and frame.f_code.co_filename.startswith(root) and not (resumes and frame.f_lasti >= 0):
             count += 1
             if count == n:
                 raise KeyboardInterrupt
