@@ -184,9 +184,6 @@ def _repro(args: list[str]) -> int:
         print(f"ampguard repro: expected one bundle path and optionally --device cpu or --device cuda\n{USAGE}",
               file=sys.stderr)
         return 2
-    if not os.path.exists(paths[0]):  # (said before torch's import, which takes seconds; load() says it too)
-        print(f"ampguard repro: no such file: {paths[0]}", file=sys.stderr)
-        return 2
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the user's code, where the bundle's classes come from
     from .nonfinite.repro import run

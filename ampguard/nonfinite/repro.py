@@ -297,6 +297,10 @@ class BadBundle(Exception):
     """A bundle that cannot be replayed here; the message is the one line the command prints."""
 
 
+def _missing(path: str) -> BadBundle:
+    return BadBundle(f"no such file: {path}")
+
+
 def _op_module(func: Any, kwargs: dict) -> Any:
     """A loss-code op as a module call, so the guard records it and its replay names the op. An op that writes into
     its first argument (``scores[mask] = -inf``, ``x.mul_(s)``) writes into a copy of it: the bundle's tensor is a
@@ -340,8 +344,8 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
     where = torch.device(device) if device is not None else None if torch.cuda.is_available() else torch.device("cpu")
     try:
         meta = torch.load(path, weights_only=True, map_location=where)
-    except FileNotFoundError:
-        raise BadBundle(f"no such file: {path}") from None
+    except FileNotFoundError:  # (removed since run() looked)
+        raise _missing(path) from None
     except Exception as exc:
         raise BadBundle(f"{path} is not a readable ampguard bundle ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -382,6 +386,9 @@ def load(path: str, device: str | None) -> tuple[dict, Any, Any, Any, str]:
 def run(path: str, device: str | None = None) -> int:
     """Replay a bundle under a fresh guard. 1: the value reproduced (the report is printed); 0: it did not;
     2: the bundle cannot be replayed here (one line)."""
+    if not os.path.exists(path):  # (said before torch's import, which takes seconds)
+        print(f"ampguard repro: {_missing(path)}", file=sys.stderr)
+        return 2
     import torch
 
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
