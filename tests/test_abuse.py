@@ -234,9 +234,11 @@ def _state():
 
 def _interrupted(n, action):
     """Run ``action`` with a KeyboardInterrupt raised at the n-th call of an ampguard function (every
-    function of ampguard's own, wherever torch calls it from); True if it was raised. Calls of torch's
-    own code are not places: torch itself does not survive an interrupt inside, say, the __exit__ of
-    its grad-mode context."""
+    function of ampguard's own, wherever torch calls it from). Returns None where the action made fewer than ``n``
+    calls (it ran to its end); "raised" where the interrupt came out of it; "swallowed" where Python ignored it, as
+    it ignores a real Ctrl-C that lands in a weakref callback (ampguard's per-object tables drop their entries
+    there). Calls of torch's own code are not places: torch itself does not survive an interrupt inside, say, the
+    __exit__ of its grad-mode context."""
     import os
     import sys
 
@@ -247,6 +249,7 @@ def _interrupted(n, action):
     # instruction inside the frame, and unwinds it. Counted there, the resume of guard()'s block as it exits left that
     # block open for good (seen once, where the stride below met it). A resume (f_lasti >= 0) is no place there.
     resumes = sys.version_info < (3, 11)
+    swallowed = []
 
     def tracer(frame, event, arg):
         nonlocal count
@@ -256,14 +259,22 @@ def _interrupted(n, action):
                 raise KeyboardInterrupt
         return None
 
+    def unraisable(info, other=sys.unraisablehook):
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            swallowed.append(info)  # (ours: not one for pytest to report)
+        else:
+            other(info)
+
+    sys.unraisablehook = unraisable
     sys.settrace(tracer)
     try:
         action()
     except KeyboardInterrupt:
-        return True
+        return "raised"
     finally:
         sys.settrace(None)
-    return False
+        sys.unraisablehook = unraisable.__defaults__[0]
+    return "swallowed" if swallowed else None
 
 
 def _guarded_step():
@@ -272,38 +283,66 @@ def _guarded_step():
         torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
-@pytest.mark.parametrize("entry", ["install", "guard", "uninstall"])
+class _Dropped:
+    """A model that an installed guard called, still held until the action drops it: the action's first calls of
+    ampguard's are then the weakref callbacks its freeing runs, where Python swallows an interrupt."""
+
+    def __init__(self):
+        self.held = []
+
+    def setup(self):
+        ampguard.install()
+        model = torch.nn.Linear(2, 1)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        ampguard.uninstall()
+        self.held.append(model)
+
+    def action(self):
+        self.held.clear()
+        _guarded_step()
+
+
+@pytest.mark.parametrize("entry", ["install", "guard", "uninstall", "guard, freeing a model a guard knew"])
 def test_a_keyboard_interrupt_at_any_call_of_install_guard_or_uninstall_leaves_nothing_uninstall_cannot_remove(
         entry):
-    action = {"install": ampguard.install, "guard": _guarded_step, "uninstall": ampguard.uninstall}[entry]
+    dropped = _Dropped()
+    setup, action = {"install": (None, ampguard.install), "guard": (None, _guarded_step),
+                     "uninstall": (ampguard.install, ampguard.uninstall),
+                     "guard, freeing a model a guard knew": (dropped.setup, dropped.action)}[entry]
     # Every first-time import happens here, not in the sweep: an import interrupted half-way breaks
     # that module for the rest of the process, with or without ampguard.
     _guarded_step()
+    dropped.setup()
     ampguard.install()
     action()
     ampguard.uninstall()
     clean = _state()
-    n, interrupted = 1, 0
+    n, interrupted, swallowed = 1, 0, 0
     # A garbage collection inside the traced region would run ampguard's weakref callbacks for objects of
-    # the steps above (a module's entry in the roots table). Python ignores an exception raised there, so
-    # an interrupt placed on such a call would look like the action running to its end. Collect now and
-    # hold collection off during the sweep: every counted call is then the action's own.
+    # the steps above (a module's entry in the roots table). Collect now and hold collection off during the
+    # sweep, so that every counted call is the action's own, the same at every n. (Objects that the action frees
+    # run such callbacks inside it; the sweep goes on past an interrupt that Python swallows there.)
     gc.collect()
     gc.disable()
     try:
         while n < 20000:
-            if entry == "uninstall":
-                ampguard.install()
-            if not _interrupted(n, action):
+            if setup is not None:
+                setup()
+            how = _interrupted(n, action)
+            if how is None:
                 break  # the action ran to its end: every call of it was a place of interrupt
             interrupted += 1
+            swallowed += how == "swallowed"
             ampguard.uninstall()
-            assert _state() == clean, f"interrupted at call {n}"
+            assert _state() == clean, f"interrupted at call {n} ({how})"
             n += 1 if n < 200 else 37  # every call at first, then a deterministic stride
     finally:
         gc.enable()
     ampguard.uninstall()
     assert interrupted > 20 and _state() == clean
+    if setup is dropped.setup:
+        assert swallowed  # the freed model's callbacks were places too
     g = ampguard.install()  # and everything still works afterwards
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
