@@ -163,8 +163,9 @@ _spec(
     "a positive integer, or None to never check (env: an integer or 'none')",
     _check_skips,
     _env_skips,
-    "After this many GradScaler skips in a row, replay the backward at scale 1 (the failure path only) to tell "
-    "an op whose gradients are NaN/Inf at every scale from an overflow, and raise NonFiniteError naming it.",
+    "After this many GradScaler skips in a row, replay the backward at scale 1, and where an op is NaN/Inf there at "
+    "the lowest scale GradScaler tries before the streak is stopped (the failure path only), to tell an op whose "
+    "gradients are NaN/Inf at every scale from an overflow, and raise NonFiniteError naming it.",
 )
 
 _spec(

@@ -77,6 +77,9 @@ class ScalerRecord:
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     momentum_undone: list[OptimizerRecord] = dataclasses.field(default_factory=list)  # to be said after update()
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
+    # where check_unscaled_after's replays found the gradients finite: [1.0], [a scale below 1], or [] (non-finite,
+    # or no replay); None until a streak reaches it
+    unscaled_finite_at: list | None = None
 
 
 class _Tables:
@@ -323,8 +326,12 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
     sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
     judge = settle  # the other features' checks that rode on this read; may raise NonFiniteError
     if sinks is not None:
-        # The failure path: are the gradients non-finite without any scaling? Settles first.
-        judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale)
+        # The failure path: are the gradients non-finite without any scaling, and at the lowest scale GradScaler
+        # tries before the streak is stopped? Settles first.
+        record.unscaled_finite_at = []
+        judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale,
+                                  lowest=_lowest_scale(g, scaler, record.iteration_scale, streak),
+                                  finite_at=record.unscaled_finite_at)
     if ranks is not None and (failing or unscaled):
         judge = _judged_together(ranks, judge, any(found))  # (the failure path, taken alike on every rank)
     try:
@@ -334,6 +341,19 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
             raise
         failed.append(exc)
     return values[-1] if extra is not None else None
+
+
+def _lowest_scale(g: Guard, scaler: Any, scale: float | None, streak: int) -> float | None:
+    """The lowest scale GradScaler tries in a streak of skips that has reached ``streak`` at ``scale``, before
+    ampguard stops it: at max_consecutive_skips, or where the scale would fall below the smallest normal float32."""
+    if scale is None:
+        return None
+    limit = g.options.max_consecutive_skips
+    backoff = getattr(scaler, "_backoff_factor", 0.5)
+    if not 0.0 < backoff < 1.0:
+        return scale  # (a scale that never backs off; GradScaler's constructor refuses it)
+    lowest = _fp32(scale * backoff ** max(limit - streak, 0)) if limit is not None else 0.0
+    return max(lowest, _SMALLEST_NORMAL_FP32)
 
 
 def _known(record: ScalerRecord, scaler: Any, pending: list[_PendingStep]) -> list[float] | None:
@@ -690,12 +710,24 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
     if checked:
         lines.append("    - the loss was finite at every one of these steps (ampguard checked it), so the forward "
                      "pass is not the cause and the parameters were finite.")
-        if unscaled is not None and record.consecutive_skips >= unscaled and ("nonfinite" in g._on) and \
-                g.options.trace != "off":
+        replayed = unscaled is not None and record.consecutive_skips >= unscaled and ("nonfinite" in g._on) and \
+            g.options.trace != "off"
+        finite_at = record.unscaled_finite_at or [None]
+        if replayed and finite_at[0] == 1.0:
             lines.append(f"    - replayed at scale 1 after {unscaled} skips, the gradients were finite: the overflow "
                          "happens only at the scales tried, in fp16 activations' gradients (they exceed 65504). "
                          "Fix: train in bf16 autocast (no GradScaler needed), or keep the largest activations in "
                          "float32.")
+        elif replayed and finite_at[0] is not None:
+            lines.append(f"    - replayed after {unscaled} skips, the gradients overflowed even at scale 1, and were "
+                         f"finite at scale {finite_at[0]:g}: unscaled, fp16 activations' gradients exceed 65504 (a "
+                         "loss summed over many elements, or weighted up), so GradScaler must run below 1. Fix: a "
+                         "smaller loss (a mean, not a sum), bf16 autocast (no GradScaler needed), or the largest "
+                         "activations in float32.")
+        elif replayed:
+            lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
+                         f"sqrt or pow at 0): check_unscaled_after's replay after {unscaled} skips gave no verdict "
+                         "(no module call with gradients was recorded, or the replay failed: see ampguard's log).")
         else:
             lines.append("    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
                          "sqrt or pow at 0): check_unscaled_after (off or not reached here) replays the step at "

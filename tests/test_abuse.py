@@ -179,6 +179,48 @@ def test_a_genuine_overflow_streak_only_skips():
     assert scaler.get_scale() < 2.0 ** 20
 
 
+def weighted_fp16_steps(steps, weight, growth=1.0, **scaler_kwargs):
+    """A loss weighted up so far that its fp16 gradients overflow even unscaled (the weight times ``growth`` at each
+    step): GradScaler must back off below scale 1. Returns the scale and the parameters after ``steps``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float() * weight, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        weight *= growth
+    return scaler.get_scale(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradients_that_overflow_fp16_even_unscaled_only_skip_while_gradscaler_backs_off_below_1():
+    """Non-finite at scale 1 is not "at every scale": the addmm backward's fp16 gradients exceed 65504 unscaled, and
+    GradScaler trains at 0.25. The second replay, at the lowest scale it tries before the streak is stopped, is
+    finite, so the run goes on exactly as without ampguard."""
+    plain_scale, plain = weighted_fp16_steps(30, 1e3, init_scale=2.0 ** 10)
+    assert plain_scale < 1.0  # (the premise: GradScaler settles below 1 and steps there)
+    g = ampguard.install()
+    scale, params = weighted_fp16_steps(30, 1e3, init_scale=2.0 ** 10)
+    assert g.stats.nonfinite_detected == 0 and g.stats.optimizer_steps_applied > 0
+    assert scale == plain_scale and all(torch.equal(a, b) for a, b in zip(plain, params, strict=True))
+
+
+def test_a_collapse_after_gradients_finite_only_below_scale_1_says_so():
+    """The check's replay found the gradients finite below 1 (so it did not raise), and the loss kept growing faster
+    than GradScaler backs off: the collapse error says where the replays found them finite."""
+    ampguard.install(max_consecutive_skips=20)
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        weighted_fp16_steps(30, 1e3, growth=4.0, init_scale=2.0 ** 10)
+    message = str(info.value)
+    assert "the gradients overflowed even at scale 1, and were finite at scale 0.0" in message, message
+    assert "replayed at scale 1 after 3 skips, the gradients were finite" not in message
+
+
 def test_the_unscaled_check_can_be_switched_off():
     g = ampguard.install(check_unscaled_after=None, max_consecutive_skips=5)
     with pytest.raises(ampguard.LossScaleCollapseError):

@@ -629,10 +629,11 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
     return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, module=module, origin=origin)
 
 
-def _replay_backward(g: _guard.Guard, window: list, losses: list,
-                     found_kinds: set | None = None) -> tuple[Any, str | None, Any, list[str]]:
+def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: set | None = None,
+                     scale: float = 1.0) -> tuple[Any, str | None, Any, list[str]]:
     """(the forward op, its module, your stack at it, the lines) of the first backward node that made finite
-    gradients non-finite in a replay (at scale 1: the recorded loss is the unscaled one)."""
+    gradients non-finite in a replay: at scale 1 (the recorded loss is the unscaled one), or at ``scale``, the loss
+    multiplied as GradScaler.scale() multiplies it."""
     session = replay.Session()
     with replay.untouched(window), replay.anomaly_metadata():
         replay.run_window(session, window)
@@ -651,6 +652,8 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list,
             loss = sum((o.float().sum() for o in outs), sinks._torch.zeros(()))
             how = ["  (The loss code was not recorded, so the replayed backward started from the model's output "
                    "with a gradient of ones, not the original one.)"]
+        if scale != 1.0:
+            loss = loss * sinks._torch.full((), scale, dtype=sinks._torch.float32, device=loss.device)
         params = [q for c in window if type(c) is Call and c.module is not None for q in c.module.parameters()]
         found = replay.backward_origin(session, loss, params)
     if not found and session.collective is not None:
@@ -813,31 +816,55 @@ def _defined_at(function: Any) -> tuple | None:
 
 
 # -- GradScaler's skips: gradients non-finite at every scale ---------------------------------------
-def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: float | None) -> None:
+def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: float | None,
+             lowest: float | None = None, finite_at: list | None = None) -> None:
     """GradScaler skipped ``streak`` steps in a row; the backward replayed at scale 1 tells an op whose
-    gradients are non-finite at every scale (raise, naming it) from an overflow (return: only skips)."""
+    gradients are non-finite at every scale (raise, naming it) from an overflow (return: only skips).
+
+    Gradients that a backward op makes non-finite at scale 1 may still be an overflow: an fp16 gradient above 65504
+    unscaled (a loss summed over many elements, or weighted up), which GradScaler fixes by backing off below 1, and
+    trains there. So they are replayed once more at ``lowest``, the lowest scale GradScaler tries before ampguard
+    stops the streak, and finite there they only skip, as without ampguard. ``finite_at`` gets the scale at which
+    the gradients were finite, if any (for the collapse error's causes)."""
     __tracebackhide__ = True
     if not any(type(c) is Call and c.grad for c in window):
         return
     kinds: set = set()
     try:
         op, module, origin, lines = sinks.outside_compile(_replay_backward)(g, window, losses, kinds)
+        if op is None and not _forward_made(lines):
+            if finite_at is not None:
+                finite_at.append(1.0)
+            return  # finite at scale 1: a genuine overflow, which GradScaler's backing off handles
+        below = lowest is not None and lowest < 1.0 and not _forward_made(lines)  # (a forward value: every scale)
+        if below:
+            op_low, _, _, lines_low = sinks.outside_compile(_replay_backward)(g, window, losses, set(), lowest)
+            if op_low is None and not _forward_made(lines_low):
+                if finite_at is not None:
+                    finite_at.append(lowest)
+                return  # an overflow even unscaled: GradScaler backs off below 1 and trains there
     except (AmpGuardError, AmpGuardWarning):
         raise
     except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on
         log.error("ampguard: the scale-1 replay after %d GradScaler skips failed", streak, exc_info=exc)
         return
-    if op is None and not _forward_made(lines):
-        return  # finite at scale 1: a genuine overflow, which GradScaler's backing off handles
     kind = replay.primary(frozenset(kinds)) or "nan"
     sink = "gradients at every loss scale"
     if not _first_time(g, (sink, op)):
         return
     g.stats.nonfinite_detected += 1
     at = f" (loss scale {scale:g})" if scale is not None else ""
+    limit = g.options.max_consecutive_skips
+    if limit is None:
+        tried = f"at scale 1 and at scale {lowest:g} (the lowest before the scale collapses)," if below else \
+            "at scale 1"
+        verdict = "no loss scale can fix them, and without this check the scale would collapse"
+    else:
+        tried = f"at scale 1 and at scale {lowest:g} (the lowest GradScaler tries before " \
+            f"max_consecutive_skips={limit} stops the run)," if below else "at scale 1"
+        verdict = "backing off cannot fix them before max_consecutive_skips stops the run"
     head = [f"ampguard: GradScaler skipped {streak} optimizer steps in a row{at} because of inf/NaN gradients, "
-            f"and replayed at scale 1 the gradients are still {report.kind_word(kind)}: no loss scale can fix "
-            "them, and without this check the scale would collapse.",
+            f"and replayed {tried} the gradients are still {report.kind_word(kind)}: {verdict}.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
             "without scaling the loss."]
     made_by = "a non-finite input of the forward did (above)" if lines and lines[0].startswith(_FORWARD_MET) else \

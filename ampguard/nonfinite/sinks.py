@@ -2053,9 +2053,11 @@ def _made_at(p: Pending) -> float:
     return ref.event if type(ref) is Ref and ref.event >= 0 else math.inf
 
 
-def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None) -> None:
+def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None, lowest: float | None = None,
+                   finite_at: list | None = None) -> None:
     """GradScaler skipped ``streak`` updates in a row: after this read's own checks, replay the backward
-    at scale 1. Non-finite gradients there are made by an op at every scale, and no scale will fix them."""
+    at scale 1, and where a backward op is non-finite there, at ``lowest`` (see failure.unscaled). Non-finite at
+    both, an op makes them non-finite at every scale GradScaler tries, and backing off will not fix them."""
     __tracebackhide__ = True
     t = _here.state
     window, losses = t.window, t.losses  # a clean read rebinds them to new lists: these stay for the replay
@@ -2063,7 +2065,7 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     _clear_window()  # (if nothing of this feature was read, settle() left it)
     if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
         return
-    _failure.unscaled(g, window, losses, streak, scale)
+    _failure.unscaled(g, window, losses, streak, scale, lowest, finite_at)
 
 
 def _finite_after_all(p: Pending) -> bool:
