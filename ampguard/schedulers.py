@@ -349,9 +349,9 @@ def _lowest_scale(g: Guard, scaler: Any, scale: float | None, streak: int) -> fl
     if scale is None:
         return None
     limit = g.options.max_consecutive_skips
-    backoff = getattr(scaler, "_backoff_factor", 0.5)
+    backoff = scaler._backoff_factor
     if not 0.0 < backoff < 1.0:
-        return scale  # (a scale that never backs off; GradScaler's constructor refuses it)
+        return scale  # (a scale that never backs off: set_backoff_factor() takes any value)
     lowest = _fp32(scale * backoff ** max(limit - streak, 0)) if limit is not None else 0.0
     return max(lowest, _SMALLEST_NORMAL_FP32)
 

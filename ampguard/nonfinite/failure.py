@@ -855,14 +855,11 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     g.stats.nonfinite_detected += 1
     at = f" (loss scale {scale:g})" if scale is not None else ""
     limit = g.options.max_consecutive_skips
-    if limit is None:
-        tried = f"at scale 1 and at scale {lowest:g} (the lowest before the scale collapses)," if below else \
-            "at scale 1"
-        verdict = "no loss scale can fix them, and without this check the scale would collapse"
-    else:
-        tried = f"at scale 1 and at scale {lowest:g} (the lowest GradScaler tries before " \
-            f"max_consecutive_skips={limit} stops the run)," if below else "at scale 1"
-        verdict = "backing off cannot fix them before max_consecutive_skips stops the run"
+    stop = "the scale collapses" if limit is None else f"max_consecutive_skips={limit} stops the run"
+    tried = f"at scale 1 and at scale {lowest:g} (the lowest GradScaler tries before {stop})," if below else \
+        "at scale 1"
+    verdict = "no loss scale can fix them, and without this check the scale would collapse" if limit is None else \
+        "backing off cannot fix them before max_consecutive_skips stops the run"
     head = [f"ampguard: GradScaler skipped {streak} optimizer steps in a row{at} because of inf/NaN gradients, "
             f"and replayed {tried} the gradients are still {report.kind_word(kind)}: {verdict}.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
