@@ -365,7 +365,8 @@ _OPTION_DOCS = """
       this many skipping updates in a row (None: never by count; the scale may never reach 0).
     - ``check_unscaled_after`` (positive int or None, 3): after this many skips in a row, replay
       the backward at scale 1 (and, where an op is NaN/Inf there, at the lowest scale GradScaler tries before the
-      streak is stopped) and raise NonFiniteError if an op makes NaN/Inf gradients at every scale it tries.
+      streak is stopped) and raise NonFiniteError if an op makes NaN/Inf gradients at every scale it tries, on
+      that skipped step and the next (one bad batch only skips, as without ampguard).
     - ``distributed`` (bool, True): every rank takes the same skip decision (one all-reduce).
     - ``closures`` (bool, True): give a Lightning optimizer_step that forgot its closure the closure.
     - ``lint`` (bool, True): warn once about AMP mistakes that do not crash.

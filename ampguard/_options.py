@@ -165,7 +165,8 @@ _spec(
     _env_skips,
     "After this many GradScaler skips in a row, replay the backward at scale 1, and where an op is NaN/Inf there at "
     "the lowest scale GradScaler tries before the streak is stopped (the failure path only), to tell an op whose "
-    "gradients are NaN/Inf at every scale from an overflow, and raise NonFiniteError naming it.",
+    "gradients are NaN/Inf at every scale from an overflow, and raise NonFiniteError naming it where the next "
+    "skipped step agrees (one bad batch only skips).",
 )
 
 _spec(

@@ -77,8 +77,8 @@ class ScalerRecord:
     skipped_in_run: dict[str, None] = dataclasses.field(default_factory=dict)
     momentum_undone: list[OptimizerRecord] = dataclasses.field(default_factory=list)  # to be said after update()
     history: deque = dataclasses.field(default_factory=lambda: deque(maxlen=40))
-    # where check_unscaled_after's replays found the gradients finite: [1.0], [a scale below 1], or [] (non-finite,
-    # or no replay); None until a streak reaches it
+    # what check_unscaled_after's latest replay found: [1.0] or [a scale below 1] (finite there), [None] (non-finite
+    # at every scale tried), or [] (no verdict: no window, or the replay failed); None until a streak reaches it
     unscaled_finite_at: list | None = None
 
 
@@ -322,16 +322,22 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         record.iteration_scale = values[i]
         record.iteration_tracker = values[i + 1]
     streak = record.consecutive_skips + 1 if record.iteration_skipped else 0
-    unscaled = bool(streak) and streak == g.options.check_unscaled_after
+    after = g.options.check_unscaled_after
+    # The failure path: are the gradients non-finite without any scaling, and at the lowest scale GradScaler tries
+    # before the streak is stopped? Replayed at the check_unscaled_after-th skip, and at the next skip where that
+    # replay found them so: one bad batch only skips, as without ampguard, so two batches in a row must agree. (In a
+    # distributed run every rank replays both, as the verdicts are gathered alike on every rank.)
+    confirm = bool(streak) and after is not None and streak == after + 1 and record.unscaled_finite_at == [None]
+    unscaled = bool(streak) and after is not None and (
+        streak == after or confirm or (streak == after + 1 and ranks is not None))
     sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
     judge = settle  # the other features' checks that rode on this read; may raise NonFiniteError
-    if sinks is not None:
-        # The failure path: are the gradients non-finite without any scaling, and at the lowest scale GradScaler
-        # tries before the streak is stopped? Settles first.
+    if unscaled:
         record.unscaled_finite_at = []
+    if sinks is not None:
         judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale,
                                   lowest=_lowest_scale(g, scaler, record.iteration_scale, streak),
-                                  finite_at=record.unscaled_finite_at)
+                                  finite_at=record.unscaled_finite_at, confirmed=confirm)  # (settles first)
     if ranks is not None and (failing or unscaled):
         judge = _judged_together(ranks, judge, any(found))  # (the failure path, taken alike on every rank)
     try:
@@ -724,6 +730,11 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
                          "loss summed over many elements, or weighted up), so GradScaler must run below 1. Fix: a "
                          "smaller loss (a mean, not a sum), bf16 autocast (no GradScaler needed), or the largest "
                          "activations in float32.")
+        elif replayed and record.unscaled_finite_at:  # [None]
+            lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
+                         f"sqrt or pow at 0): replayed after {record.consecutive_skips} skips, the gradients were "
+                         "inf/NaN at every scale tried. ampguard names the op where the replays of two skipped steps "
+                         "in a row agree (one bad batch only skips); the run stopped before the second.")
         elif replayed:
             lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
                          f"sqrt or pow at 0): check_unscaled_after's replay after {unscaled} skips gave no verdict "

@@ -220,8 +220,9 @@ def nan_loss_on_one_rank(rank, scaler, micro_batches):
 
 def unscaled_nan_on_one_rank(rank):
     """Rank 1's loss adds sqrt(out * 0): 0 forward, NaN gradients at every scale (sqrt's Inf at 0 times the
-    product's 0). DDP reduces them into rank 0's, so both ranks skip every step; at the third skip
-    (check_unscaled_after) each rank replays its backward at scale 1, and only rank 1's is non-finite."""
+    product's 0). DDP reduces them into rank 0's, so both ranks skip every step; at the third and fourth skips
+    (check_unscaled_after, and the next, which must agree) each rank replays its backward at scale 1, and only rank
+    1's is non-finite."""
     import ampguard
 
     torch.manual_seed(0)

@@ -156,7 +156,7 @@ def fp16_scaled_steps(model, steps, **scaler_kwargs):
     return scaler
 
 
-def test_a_backward_nan_that_no_loss_scale_fixes_is_named_after_three_skips_not_at_the_collapse():
+def test_a_backward_nan_that_no_loss_scale_fixes_is_named_after_four_skips_not_at_the_collapse():
     g = ampguard.install()
     model = SqrtAtZero()
     before = [p.detach().clone() for p in model.parameters()]
@@ -165,8 +165,8 @@ def test_a_backward_nan_that_no_loss_scale_fixes_is_named_after_three_skips_not_
     err = info.value
     assert err.op == "torch.sqrt" and err.sink == "gradients at every loss scale"
     assert err.origin[-1].lineno == line_of(SqrtAtZero.forward, "BACKWARD NAN")
-    assert "GradScaler skipped 3 optimizer steps in a row" in str(err)
-    assert g.stats.optimizer_steps_skipped == 3 and g.stats.scheduler_steps_held == 2  # the 3rd raised first
+    assert "GradScaler skipped 4 optimizer steps in a row" in str(err)  # the replays at the 3rd and 4th agree
+    assert g.stats.optimizer_steps_skipped == 4 and g.stats.scheduler_steps_held == 3  # the 4th raised first
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -219,6 +219,61 @@ def test_a_collapse_after_gradients_finite_only_below_scale_1_says_so():
     message = str(info.value)
     assert "the gradients overflowed even at scale 1, and were finite at scale 0.0" in message, message
     assert "replayed at scale 1 after 3 skips, the gradients were finite" not in message
+
+
+def transient_fp16_steps(steps, bad_at, **scaler_kwargs):
+    """An fp16 loop whose GradScaler calibrates down from a large scale (every step skips), with batches
+    ``bad_at`` weighted so far up that their fp16 gradients overflow at scale 1 and at every scale the streak can
+    reach. Returns the scale and the parameters after ``steps``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    for i in range(steps):
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) * (1e8 if i in bad_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler.get_scale(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_batch_non_finite_at_every_scale_inside_a_streak_only_skips_as_without_ampguard():
+    """The third skip of a calibration streak falls on one bad batch (an outlier whose gradients overflow fp16 at
+    any scale the streak reaches). Without ampguard GradScaler skips it and trains on; the scale-1 replay of that
+    one batch is no evidence that backing off cannot fix the streak. It once stopped the run there."""
+    plain = transient_fp16_steps(30, bad_at={2}, init_scale=2.0 ** 40)
+    assert plain[0] < 2.0 ** 20  # (the premise: GradScaler calibrated down and applied steps)
+    g = ampguard.install()
+    installed = transient_fp16_steps(30, bad_at={2}, init_scale=2.0 ** 40)
+    assert g.stats.nonfinite_detected == 0 and g.stats.optimizer_steps_applied > 0
+    assert installed[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], installed[1], strict=True))
+
+
+def test_two_skipped_batches_in_a_row_non_finite_at_every_scale_stop_the_streak():
+    """The next skipped step agrees (two batches in a row): the streak is stopped at the fourth skip, naming the op."""
+    g = ampguard.install()
+    with pytest.raises(ampguard.NonFiniteError) as info:
+        transient_fp16_steps(30, bad_at={2, 3}, init_scale=2.0 ** 40)
+    err, message = info.value, str(info.value)
+    assert err.sink == "gradients at every loss scale" and "(ToCopyBackward0)" in message, message
+    assert "GradScaler skipped 4 optimizer steps in a row" in message, message
+    assert "The skipped step before this one was non-finite at every scale too" in message, message
+    assert g.stats.optimizer_steps_skipped == 4 and g.stats.optimizer_steps_applied == 0
+
+
+def test_a_collapse_before_a_second_replay_could_agree_says_what_the_first_found():
+    """max_consecutive_skips=3 stops the streak at the replay's own skip: the first replay found the gradients
+    non-finite at every scale and waits for the next skip to agree, so the collapse error says what it found."""
+    ampguard.install(max_consecutive_skips=3)
+    with pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(SqrtAtZero(), 10)
+    message = str(info.value)
+    assert "replayed after 3 skips, the gradients were inf/NaN at every scale tried" in message, message
+    assert "gave no verdict" not in message, message
 
 
 def test_the_unscaled_check_can_be_switched_off():

@@ -817,15 +817,19 @@ def _defined_at(function: Any) -> tuple | None:
 
 # -- GradScaler's skips: gradients non-finite at every scale ---------------------------------------
 def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: float | None,
-             lowest: float | None = None, finite_at: list | None = None) -> None:
+             lowest: float | None = None, finite_at: list | None = None, confirmed: bool = False) -> None:
     """GradScaler skipped ``streak`` steps in a row; the backward replayed at scale 1 tells an op whose
     gradients are non-finite at every scale (raise, naming it) from an overflow (return: only skips).
 
     Gradients that a backward op makes non-finite at scale 1 may still be an overflow: an fp16 gradient above 65504
     unscaled (a loss summed over many elements, or weighted up), which GradScaler fixes by backing off below 1, and
     trains there. So they are replayed once more at ``lowest``, the lowest scale GradScaler tries before ampguard
-    stops the streak, and finite there they only skip, as without ampguard. ``finite_at`` gets the scale at which
-    the gradients were finite, if any (for the collapse error's causes)."""
+    stops the streak, and finite there they only skip, as without ampguard.
+
+    Non-finite at every scale, they may still be one batch's (an outlier), which GradScaler skips and trains on:
+    it raises only where the skipped step before was non-finite at every scale too (``confirmed``). ``finite_at``
+    gets the scale at which the gradients were finite, or None where they were not (for the next skip's replay and
+    the collapse error's causes)."""
     __tracebackhide__ = True
     if not any(type(c) is Call and c.grad for c in window):
         return
@@ -848,6 +852,10 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     except Exception as exc:  # a failed diagnosis must not turn skips into a crash: GradScaler goes on
         log.error("ampguard: the scale-1 replay after %d GradScaler skips failed", streak, exc_info=exc)
         return
+    if finite_at is not None:
+        finite_at.append(None)
+    if not confirmed:
+        return  # the next skipped step, a new batch, is replayed too; only if it agrees is the streak stopped
     kind = replay.primary(frozenset(kinds)) or "nan"
     sink = "gradients at every loss scale"
     if not _first_time(g, (sink, op)):
@@ -863,13 +871,15 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
     head = [f"ampguard: GradScaler skipped {streak} optimizer steps in a row{at} because of inf/NaN gradients, "
             f"and replayed {tried} the gradients are still {report.kind_word(kind)}: {verdict}.",
             "  Found by replaying the step's forward and backward (same inputs, RNG state, autocast and grad mode) "
-            "without scaling the loss."]
+            "without scaling the loss. The skipped step before this one was non-finite at every scale too, so it "
+            "is not one bad batch (GradScaler skips such a batch and trains on)."]
     made_by = "a non-finite input of the forward did (above)" if lines and lines[0].startswith(_FORWARD_MET) else \
         "the forward made it (above)" if _forward_made(lines) else \
         "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, division " \
         "by a small value, the torch.where trick)"
-    tail = [f"  The loss was finite: {made_by}. This check runs after "
-            f"check_unscaled_after={g.options.check_unscaled_after} skips in a row."]
+    tail = [f"  The loss was finite: {made_by}. This check replays after "
+            f"check_unscaled_after={g.options.check_unscaled_after} skips in a row, and raises where two skipped steps "
+            "in a row agree."]
     error = NonFiniteError("\n".join(head + lines + tail), kind=kind, sink=sink, op=op, module=module, origin=origin)
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)

@@ -2054,10 +2054,11 @@ def _made_at(p: Pending) -> float:
 
 
 def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | None, lowest: float | None = None,
-                   finite_at: list | None = None) -> None:
+                   finite_at: list | None = None, confirmed: bool = False) -> None:
     """GradScaler skipped ``streak`` updates in a row: after this read's own checks, replay the backward
     at scale 1, and where a backward op is non-finite there, at ``lowest`` (see failure.unscaled). Non-finite at
-    both, an op makes them non-finite at every scale GradScaler tries, and backing off will not fix them."""
+    both, an op makes them non-finite at every scale GradScaler tries: raised where the skipped step before
+    agreed (``confirmed``)."""
     __tracebackhide__ = True
     t = _here.state
     window, losses = t.window, t.losses  # a clean read rebinds them to new lists: these stay for the replay
@@ -2065,7 +2066,7 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     _clear_window()  # (if nothing of this feature was read, settle() left it)
     if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
         return
-    _failure.unscaled(g, window, losses, streak, scale, lowest, finite_at)
+    _failure.unscaled(g, window, losses, streak, scale, lowest, finite_at, confirmed)
 
 
 def _finite_after_all(p: Pending) -> bool:
