@@ -1684,3 +1684,27 @@ def test_a_log_of_a_probability_that_underflowed_is_named_with_log_softmax():
         lambda out: -torch.log(torch.softmax(out + torch.tensor([0.0, 200.0, 0.0]), -1)[:, 0]).mean(), width=3)
     assert err.op == "torch.log" and "(inputs finite, output -Inf)" in message, message
     assert "log(0) is -Inf: a probability that underflowed to 0" in message and "log_softmax" in message, message
+
+
+def test_a_backward_node_is_named_after_an_op_that_exists():
+    """A backward origin's op is named from its autograd node. CamelCase made lowerCamel once: torch.toCopy for a
+    .float(), torch.mseLoss, torch.gelu, none of which exists. Each name now resolves to a real torch or aten op."""
+    from ampguard.nonfinite import failure
+
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    made = {
+        x.half().float(): "aten._to_copy",
+        torch.nn.functional.log_softmax(x, -1): "torch.log_softmax",
+        torch.nn.functional.layer_norm(x, (8,)): "torch.native_layer_norm",
+        torch.nn.functional.max_pool2d(x, 2): "aten.max_pool2d_with_indices",
+        torch.nn.functional.mse_loss(x, x.detach()): "aten.mse_loss",
+        torch.nn.functional.gelu(x): "aten.gelu",
+        torch.nn.functional.interpolate(x, scale_factor=2, mode="bilinear"): "aten.upsample_bilinear2d",
+        torch.sqrt(x): "torch.sqrt",
+        torch.linalg.vector_norm(x): "aten.linalg_vector_norm",
+    }
+    for out, name in made.items():
+        assert failure._forward_of(out.grad_fn.name()) == name, out.grad_fn.name()
+        where, _, op = name.partition(".")
+        assert callable(getattr(torch, op) if where == "torch" else getattr(torch.ops.aten, op))
+    assert failure._forward_of("NotAnOpBackward0") == "NotAnOpBackward0"

@@ -574,6 +574,22 @@ def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
 
 # -- gradient sinks ----------------------------------------------------------------------------
 _NODE = re.compile(r"^(?P<name>[A-Za-z0-9_]+?)Backward\d*$")
+_WORD = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")  # where CamelCase starts a new word
+
+
+def _forward_of(node: str) -> str:
+    """The op whose backward autograd node ``node`` is, by a name it has: torch.sqrt for SqrtBackward0,
+    torch.log_softmax for LogSoftmaxBackward0, aten._to_copy for ToCopyBackward0 (a .float() or .to()). torch names
+    the node after its aten op in CamelCase; the node's own name where no op has that name."""
+    m = _NODE.match(node)
+    if not m:
+        return node
+    name = re.sub(r"(?<=\d)_d(?=_|$)", "d", _WORD.sub("_", m["name"]).lower())  # MaxPool2DWith..: max_pool2d_with..
+    import torch  # (imported: a replay ran)
+
+    if callable(getattr(torch, name, None)):
+        return f"torch.{name}"
+    return next((f"aten.{op}" for op in (name, f"_{name}") if hasattr(torch.ops.aten, op)), node)
 
 
 def _first_bad(params: list, grads: bool) -> Any:
@@ -696,8 +712,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
                  f"turned finite gradients into {report.kinds_words(found['kinds'])}. The script was called{in_module} "
                  f"at\n    {report.where(own)}", *_unbounded_lines(script)]
     else:
-        m = _NODE.match(found["node"])
-        forward = f"torch.{m['name'][0].lower()}{m['name'][1:]}" if m else found["node"]
+        forward = _forward_of(found["node"])
         lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
                  f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}"]
     if user_site is not None and user_site != own:
