@@ -1708,3 +1708,50 @@ def test_a_backward_node_is_named_after_an_op_that_exists():
         where, _, op = name.partition(".")
         assert callable(getattr(torch, op) if where == "torch" else getattr(torch.ops.aten, op))
     assert failure._forward_of("NotAnOpBackward0") == "NotAnOpBackward0"
+
+
+def test_a_run_that_diverges_until_a_matmul_overflows_float32_says_how_large_its_inputs_grew():
+    """SGD at a learning rate too high for unnormalized data: the weights grow each step until a linear's result
+    passes 3.4e38. "Inputs finite, output -Inf" was all the message said of that op."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(64, 4) * 10
+    y = x.sum(1, keepdim=True) * 3
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        for _ in range(50):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    message = str(info.value)
+    assert "It was created by aten.addmm inside torch.linear (inputs finite, output -Inf) in module '2'" in message
+    assert "so the result passed the largest float32 value (3.4e+38): it overflowed. Their largest |x|: " \
+        "parameter '2.bias' " in message, message
+    assert ", the output of torch.nn.functional.relu " in message and ", parameter '2.weight' " in message, message
+    assert "a learning rate too high for the model" in message, message
+
+
+def test_data_that_overflows_float16_under_autocast_says_how_large_it_was():
+    """Unnormalized features cast to float16 by autocast pass 65504 at the model's first linear."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(8, 64) * 2e5)
+        out.float().pow(2).mean().backward()
+        opt.step()
+    message = str(info.value)
+    assert "It was created by aten._to_copy inside torch.linear (inputs finite, output +Inf, -Inf) in module '0'" \
+        in message, message
+    assert "so the result passed the largest float16 value (6.55e+04): it overflowed. Their largest |x|: argument " \
+        "0 of the call of 'Sequential' (the data" in message, message
+    assert "In float16 that is an activation above 65504" in message, message
+
+
+def test_an_inf_at_a_singularity_is_not_called_an_overflow():
+    """x / 0 and log(0) make ±Inf from small finite inputs: no result passed a dtype's largest value."""
+    for loss_of in (lambda out: (out / torch.zeros(())).mean(), lambda out: torch.log(out * 0).mean()):
+        _, message = _error_of_a_step(loss_of)
+        assert "(inputs finite, output" in message and "overflowed" not in message, message

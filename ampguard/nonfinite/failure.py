@@ -439,6 +439,8 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         alive = rec.ref()
         lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {rec.shape}, {rec.dtype}")
+        if not masked and not rec.numbers:
+            lines.extend(_overflow(session, names, rec, label))
     if result["transition"] is not None:
         lines.append(_became(g, window, records[result["transition"]]))
     lines.extend(_masks(session, names, result["masks"]))
@@ -533,6 +535,36 @@ _OP_ADVICE = (
      "negative in exact arithmetic can round below 0 (a variance as E[x^2] - E[x]^2, a squared distance as "
      "|a|^2 + |b|^2 - 2ab): clamp it (min=0, or min=eps where the gradient at 0 matters) before this op."),
 )
+
+
+# aten ops that make ±Inf from finite inputs at a singularity (log(0), x/0, rsqrt(0), atanh(1)), not only by passing
+# the dtype's largest value
+_SINGULAR = re.compile(r"(?<![a-z_])(div|divide|true_divide|floor_divide|reciprocal|r?sqrt|log\w*|xlogy|pow|"
+                       r"float_power|atanh|arctanh|digamma|lgamma|polygamma|mvlgamma|tan|erfinv|logit|special_\w+)_?\b")
+_HUGE = 1e9  # an input above this in float32 or bfloat16 is no activation or weight of a healthy run
+
+
+def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> list[str]:
+    """An op with no singularity (a matmul, a sum, a square) that made ±Inf from finite inputs: its result passed its
+    dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging)."""
+    limit = report._LIMITS.get(str(rec.dtype))
+    if not rec.largest or limit is None or _SINGULAR.search(rec.name) or _op_advice(label, rec.kinds):
+        return []
+    dtype = str(rec.dtype).removeprefix("torch.")
+    sizes = []
+    for ref, producer, amax in rec.largest:
+        made = f"the output of {_label(session.records[producer])[0]}" if producer is not None else None
+        sizes.append(f"{names.get(id(ref())) or made or _leaf_name(session, names, ref())} {amax:.3g}")
+    lines = [f"  Its inputs were finite, so the result passed the largest {dtype} value ({limit:.4g}): it overflowed. "
+             f"Their largest |x|: {', '.join(sizes)}."]
+    if dtype == "float16":
+        lines.append("  In float16 that is an activation above 65504. Keep this op in float32 (outside autocast, or "
+                     "on .float() inputs), or keep its inputs smaller (a normalization before it).")
+    elif max(amax for _, _, amax in rec.largest) > _HUGE:
+        lines.append("  Values this large usually grow over training: a learning rate too high for the model (the "
+                     "loss rising), or data far from unit scale. Lower the learning rate, clip the gradients "
+                     "(clip_grad_norm_), or normalize the inputs.")
+    return lines
 
 
 def _op_advice(label: str, kinds: Any) -> list[str]:
@@ -782,9 +814,12 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
                          f"{in_module} at\n    {report.where(own)}{called}", f"{_FORWARD_MET} it entered")
         op = module = None
     else:
-        finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
+        masked = _made_from_a_mask(walked)
+        finite = "inputs finite but for a mask" if masked else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
                  f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds)]
+        if not masked and not rec.numbers:
+            lines.extend(_overflow(session, _names(g, window), rec, label))
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))

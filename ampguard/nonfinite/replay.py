@@ -36,8 +36,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("constant", "dtype", "event", "fn", "frames", "inputs", "kinds", "leaves", "module", "name", "numbers",
-                 "ref", "root", "shape")
+    __slots__ = ("constant", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest", "leaves", "module", "name",
+                 "numbers", "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -55,6 +55,8 @@ class OpRecord:
         self.dtype = dtype
         self.numbers = numbers  # non-finite Python numbers among its arguments (x * float("nan"))
         self.event = -1  # the window event it ran in
+        # where it made ±Inf from finite inputs: its first tensor inputs and their largest |x| (see _largest)
+        self.largest: tuple | None = None
 
 
 class Session:
@@ -109,6 +111,7 @@ class Session:
         inputs, leaves = [], []
         constant = True
         numbers = []
+        tensors = []  # its floating-point tensor inputs, for _largest
         name = _aten_name(func)
         op = name.partition(".")[2]
         overwritten = args[0] if op in sinks.OVERWRITE and args else None  # (its old value is not an input)
@@ -118,6 +121,7 @@ class Session:
             elif t is overwritten:
                 continue
             elif isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.is_meta:
+                tensors.append(t)
                 index = self.producer_of(t)
                 if index is not None:
                     inputs.append(index)
@@ -150,11 +154,18 @@ class Session:
         made_by = (name, fn, frames, module, root, tuple(leaves), tuple(numbers))
         if mutable and self.cloned:
             self._note_written(outputs, name, frames)
+        first = len(self.records)
         for o in outputs:
             found = kinds(o) if o.numel() and written else frozenset()
             self._add(o, found, inputs, constant, made_by)
             if mutable and o._base is not None:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
+        made_inf = [r for r in self.records[first:] if r.kinds & _INFS]
+        if made_inf and not leaves and not numbers and not any(self.records[i].kinds for i in inputs):
+            measured = tensors[:_LARGEST_OF]
+            largest = _largest(measured, [self.producer_of(t) for t in measured])
+            for r in made_inf:
+                r.largest = largest
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
@@ -191,6 +202,25 @@ class Session:
                       constant and self.records[previous].constant, made_by)
         else:  # (from outside the replay: read as it is now)
             self._add(base, kinds(base) if base.numel() else frozenset(), inputs, constant, made_by)
+
+
+_INFS = frozenset(("inf", "-inf"))
+_LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
+
+
+def _largest(tensors: list, producers: list) -> tuple:
+    """An op made ±Inf from finite inputs: how large its inputs were, to tell a result that passed its dtype's largest
+    value (an overflow) from a singularity (log(0), x/0). Only such ops, in the replay: the failure path.
+    ((weakref to the input, or to the tensor it views, the record that made it or None, its largest |x|), ...)"""
+    torch = sinks._torch
+    found = []
+    with torch._C.DisableTorchFunction():
+        for t, producer in zip(tensors, producers, strict=True):
+            values = sinks.stored(t.detach())
+            if values.numel():
+                base = t._base if t._base is not None else t  # (weight.t() in a linear: its parameter names it)
+                found.append((weakref.ref(base), producer, float(values.abs().amax())))
+    return tuple(found)
 
 
 def kinds(tensor: Any) -> frozenset:
