@@ -1710,9 +1710,11 @@ def test_a_backward_node_is_named_after_an_op_that_exists():
     assert failure._forward_of("NotAnOpBackward0") == "NotAnOpBackward0"
 
 
-def test_a_run_that_diverges_until_a_matmul_overflows_float32_says_how_large_its_inputs_grew():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_run_that_diverges_until_a_matmul_overflows_says_how_large_its_inputs_grew(dtype):
     """SGD at a learning rate too high for unnormalized data: the weights grow each step until a linear's result
-    passes 3.4e38. "Inputs finite, output -Inf" was all the message said of that op."""
+    passes 3.4e38. "Inputs finite, output -Inf" was all the message said of that op. Under bf16 autocast its inputs
+    are the weights' bf16 copies, named by their parameters."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -1720,13 +1722,14 @@ def test_a_run_that_diverges_until_a_matmul_overflows_float32_says_how_large_its
     y = x.sum(1, keepdim=True) * 3
     with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
         for _ in range(50):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-    message = str(info.value)
-    assert "It was created by aten.addmm inside torch.linear (inputs finite, output -Inf) in module '2'" in message
-    assert "so the result passed the largest float32 value (3.4e+38): it overflowed. Their largest |x|: " \
+    message, limit = str(info.value), "3.4e+38" if dtype is torch.float32 else "3.39e+38"
+    assert "It was created by aten.addmm inside torch.linear (inputs finite, output " in message, message
+    assert f"so the result passed the largest {str(dtype)[6:]} value ({limit}): it overflowed. Their largest |x|: " \
         "parameter '2.bias' " in message, message
     assert ", the output of torch.nn.functional.relu " in message and ", parameter '2.weight' " in message, message
     assert "a learning rate too high for the model" in message, message

@@ -66,6 +66,7 @@ class Session:
         self.records: list[OpRecord] = []
         self.producer: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, record index)
         self.leaf_kinds: dict[int, tuple[Any, frozenset]] = {}
+        self.cast_of: dict[int, tuple[Any, Any]] = {}  # id(a parameter's copy in another dtype) -> (it, the parameter)
         self.fn: Any = None  # the top-level torch function running now
         self.frames: tuple | None = None  # recorded frames of the loss-code op being replayed
         self.stop: Any = None  # the code object at which frame walks stop (the replay driver)
@@ -154,6 +155,9 @@ class Session:
         made_by = (name, fn, frames, module, root, tuple(leaves), tuple(numbers))
         if mutable and self.cloned:
             self._note_written(outputs, name, frames)
+        if name == "aten._to_copy" and tensors and isinstance(tensors[0], torch.nn.Parameter):
+            for o in outputs:  # (autocast's copy of a weight: an overflow's input is named by its parameter)
+                self.cast_of[id(o)] = (weakref.ref(o), weakref.ref(tensors[0]))
         first = len(self.records)
         for o in outputs:
             found = kinds(o) if o.numel() and written else frozenset()
@@ -162,12 +166,30 @@ class Session:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
         made_inf = [r for r in self.records[first:] if r.kinds & _INFS]
         if made_inf and not leaves and not numbers and not any(self.records[i].kinds for i in inputs):
-            measured = tensors[:_LARGEST_OF]
-            largest = _largest(measured, [self.producer_of(t) for t in measured])
+            largest = self._largest(tensors[:_LARGEST_OF])
             for r in made_inf:
                 r.largest = largest
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
+
+    def _largest(self, tensors: list) -> tuple:
+        """An op made ±Inf from finite inputs: how large its inputs were, to tell a result that passed its dtype's
+        largest value (an overflow) from a singularity (log(0), x/0). Only such ops: the failure path.
+        ((weakref to the parameter or tensor it is, views or was cast from, the record that made it or None, its
+        largest |x|), ...)"""
+        torch = sinks._torch
+        found = []
+        with torch._C.DisableTorchFunction():
+            for t in tensors:
+                values = sinks.stored(t.detach())
+                if not values.numel():
+                    continue
+                base = t._base if t._base is not None else t  # (weight.t() in a linear: its parameter names it)
+                cast = self.cast_of.get(id(base))
+                if cast is not None and cast[0]() is base and cast[1]() is not None:
+                    base = cast[1]()
+                found.append((weakref.ref(base), self.producer_of(t), float(values.abs().amax())))
+        return tuple(found)
 
     def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
         """An in-place op wrote into a copy of a call's input (or a view of one): the call writes into its input."""
@@ -206,21 +228,6 @@ class Session:
 
 _INFS = frozenset(("inf", "-inf"))
 _LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
-
-
-def _largest(tensors: list, producers: list) -> tuple:
-    """An op made ±Inf from finite inputs: how large its inputs were, to tell a result that passed its dtype's largest
-    value (an overflow) from a singularity (log(0), x/0). Only such ops, in the replay: the failure path.
-    ((weakref to the input, or to the tensor it views, the record that made it or None, its largest |x|), ...)"""
-    torch = sinks._torch
-    found = []
-    with torch._C.DisableTorchFunction():
-        for t, producer in zip(tensors, producers, strict=True):
-            values = sinks.stored(t.detach())
-            if values.numel():
-                base = t._base if t._base is not None else t  # (weight.t() in a linear: its parameter names it)
-                found.append((weakref.ref(base), producer, float(values.abs().amax())))
-    return tuple(found)
 
 
 def kinds(tensor: Any) -> frozenset:
