@@ -322,22 +322,23 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         record.iteration_scale = values[i]
         record.iteration_tracker = values[i + 1]
     streak = record.consecutive_skips + 1 if record.iteration_skipped else 0
-    after = g.options.check_unscaled_after
-    # The failure path: are the gradients non-finite without any scaling, and at the lowest scale GradScaler tries
-    # before the streak is stopped? Replayed at the check_unscaled_after-th skip, and at the next skip where that
-    # replay found them so: one bad batch only skips, as without ampguard, so two batches in a row must agree. (In a
-    # distributed run every rank replays both, as the verdicts are gathered alike on every rank.)
-    confirm = bool(streak) and after is not None and streak == after + 1 and record.unscaled_finite_at == [None]
-    unscaled = bool(streak) and after is not None and (
-        streak == after or confirm or (streak == after + 1 and ranks is not None))
-    sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
     judge = settle  # the other features' checks that rode on this read; may raise NonFiniteError
-    if unscaled:
-        record.unscaled_finite_at = []
-    if sinks is not None:
-        judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale,
-                                  lowest=_lowest_scale(g, scaler, record.iteration_scale, streak),
-                                  finite_at=record.unscaled_finite_at, confirmed=confirm)  # (settles first)
+    unscaled = False
+    after = g.options.check_unscaled_after if streak else None
+    if after is not None and after <= streak <= after + 1:
+        # The failure path: are the gradients non-finite without any scaling, and at the lowest scale GradScaler
+        # tries before the streak is stopped? Replayed at the check_unscaled_after-th skip, and at the next where
+        # that replay found them so: one bad batch only skips, as without ampguard, so two batches in a row must
+        # agree. (In a distributed run every rank replays both, as the verdicts are gathered alike on every rank.)
+        confirm = streak > after and record.unscaled_finite_at == [None]
+        unscaled = streak == after or confirm or ranks is not None
+        sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
+        if unscaled:
+            record.unscaled_finite_at = []
+        if sinks is not None:
+            judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale,
+                                      lowest=_lowest_scale(g, scaler, record.iteration_scale, streak),
+                                      finite_at=record.unscaled_finite_at, confirmed=confirm)  # (settles first)
     if ranks is not None and (failing or unscaled):
         judge = _judged_together(ranks, judge, any(found))  # (the failure path, taken alike on every rank)
     try:
