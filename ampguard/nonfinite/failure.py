@@ -553,8 +553,11 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     dtype = str(rec.dtype).removeprefix("torch.")
     sizes = []
     for ref, producer, amax in rec.largest:
-        made = f"the output of {_label(session.records[producer])[0]}" if producer is not None else None
-        sizes.append(f"{names.get(id(ref())) or made or _leaf_name(session, names, ref())} {amax:.3g}")
+        tensor = ref()
+        name = names.get(id(tensor)) if tensor is not None else None  # (a parameter: also its autocast copy)
+        if name is None and producer is not None:
+            name = f"the output of {_label(session.records[producer])[0]}"
+        sizes.append(f"{name or _leaf_name(session, names, tensor)} {amax:.3g}")
     lines = [f"  Its inputs were finite, so the result passed the largest {dtype} value ({limit:.4g}): it overflowed. "
              f"Their largest |x|: {', '.join(sizes)}."]
     if dtype == "float16":
