@@ -706,7 +706,10 @@ def _collapse(g: Guard, record: ScalerRecord, skipped: list[str], scale: float, 
 def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
     """Only the causes that fit what ampguard saw: was the loss checked, is the scale still calibrating,
     did the scale-1 replay run."""
-    checked = "nonfinite" in g._on and g.options.nonfinite == "raise"
+    mode = g.options.nonfinite if "nonfinite" in g._on else "off"
+    goes_on = mode in ("warn", "skip")  # (these modes warn of what they find, and go on)
+    warned = g.stats.nonfinite_detected if goes_on else 0
+    checked = mode == "raise" or (goes_on and not warned)
     calibrating = record.consecutive_skips == record.updates  # no update since the first one let a step through
     unscaled = g.options.check_unscaled_after
     lines = ["  What ampguard saw:"]
@@ -714,7 +717,10 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
         lines.append(f"    - every update since the first skipped ({record.consecutive_skips} of them): the scale may "
                      f"still be calibrating down from {history[0]:g} (a large init_scale). Then the fix is a "
                      "smaller init_scale, or a larger max_consecutive_skips.")
-    if checked:
+    if warned:
+        lines.append(f"    - ampguard's non-finite check found {warned} non-finite value(s) in this run and went on "
+                     f"(nonfinite='{mode}'): its warnings name the op and the line.")
+    elif checked:
         lines.append("    - the loss was finite at every one of these steps (ampguard checked it), so the forward "
                      "pass is not the cause and the parameters were finite.")
         replayed = unscaled is not None and record.consecutive_skips >= unscaled and ("nonfinite" in g._on) and \
@@ -735,7 +741,7 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
             lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
                          f"sqrt or pow at 0): replayed after {record.consecutive_skips} skips, the gradients were "
                          "inf/NaN at every scale tried. ampguard names the op where the replays of two skipped steps "
-                         "in a row agree (one bad batch only skips); the run stopped before the second.")
+                         "in a row agree (one bad batch only skips), and the run stopped before the second.")
         elif replayed:
             lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
                          f"sqrt or pow at 0): check_unscaled_after's replay after {unscaled} skips gave no verdict "

@@ -277,6 +277,20 @@ def test_a_collapse_before_a_second_replay_could_agree_says_what_the_first_found
     assert "gave no verdict" not in message, message
 
 
+@pytest.mark.parametrize("mode", ["warn", "skip"])
+def test_a_collapse_after_the_check_warned_points_to_the_warning_not_to_a_check_that_is_off(mode):
+    """nonfinite='warn' (and 'skip', which a GradScaler's skips leave to it) named the op in a warning and went on:
+    the collapse said "ampguard's non-finite check is off"."""
+    ampguard.install(nonfinite=mode, max_consecutive_skips=8)
+    with pytest.warns(ampguard.AmpGuardWarning, match="GradScaler skipped 4 optimizer steps in a row"), \
+            pytest.raises(ampguard.LossScaleCollapseError) as info:
+        fp16_scaled_steps(SqrtAtZero(), 12)
+    message = str(info.value)
+    assert f"found 1 non-finite value(s) in this run and went on (nonfinite='{mode}'): its warnings name the op" \
+        in message, message
+    assert "check is off" not in message, message
+
+
 def test_the_unscaled_check_can_be_switched_off():
     g = ampguard.install(check_unscaled_after=None, max_consecutive_skips=5)
     with pytest.raises(ampguard.LossScaleCollapseError):
