@@ -1672,6 +1672,8 @@ def test_an_exp_that_overflows_is_named_and_the_division_it_fed_is_not_called_0_
     if trace == "replay":  # (the walk follows the +Inf back to the op that made it)
         assert err.op == "torch.exp" and "created by torch.exp (inputs finite, output +Inf)" in message, message
         assert "exp overflows to +Inf above 88.7 in float32" in message, message
+        assert "so the result passed the largest float32 value (3.4e+38): it overflowed. Their largest |x|: the " \
+            "output of Tensor.add 99.3" in message, message  # (100 plus the model's output)
         assert err.origin[-1].lineno == line_of(_hand_written_softmax, "EXP LINE"), message
     else:  # (eager mode stops at the first NaN, and says its inputs held Inf)
         assert err.op == "Tensor.div", message

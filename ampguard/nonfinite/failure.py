@@ -523,7 +523,8 @@ _OP_ADVICE = (
      "batch with no positive pairs). Skip that case, or take x.sum() / count.clamp(min=1)."),
     (re.compile(r"(?<![a-z_])(exp|exp2)_?\b"), "inf",
      "exp overflows to +Inf above 88.7 in float32 and above 11.1 in float16: subtract the maximum first, as softmax, "
-     "log_softmax and logsumexp do, or compute it in float32."),
+     "log_softmax and logsumexp do, clamp its input (a log-variance: logvar.clamp(max=...)), or compute it in "
+     "float32."),
     (re.compile(r"(?<![a-z_])(log|log2|log10)_?\b"), "-inf",
      "log(0) is -Inf: a probability that underflowed to 0 (below 1e-45 in float32, 6e-8 in float16). Take "
      "log_softmax or logsigmoid instead of the log of softmax or sigmoid, or clamp it (min=eps) first."),
@@ -548,7 +549,7 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     """An op with no singularity (a matmul, a sum, a square) that made ±Inf from finite inputs: its result passed its
     dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging)."""
     limit = report._LIMITS.get(str(rec.dtype))
-    if not rec.largest or limit is None or _SINGULAR.search(rec.name) or _op_advice(label, rec.kinds):
+    if not rec.largest or limit is None or _SINGULAR.search(rec.name):
         return []
     dtype = str(rec.dtype).removeprefix("torch.")
     sizes = []
@@ -560,7 +561,9 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
         sizes.append(f"{name or _leaf_name(session, names, tensor)} {amax:.3g}")
     lines = [f"  Its inputs were finite, so the result passed the largest {dtype} value ({limit:.4g}): it overflowed. "
              f"Their largest |x|: {', '.join(sizes)}."]
-    if dtype == "float16":
+    if _op_advice(label, rec.kinds):
+        pass  # (an op of its own, exp: its advice follows)
+    elif dtype == "float16":
         lines.append("  In float16 that is an activation above 65504. Keep this op in float32 (outside autocast, or "
                      "on .float() inputs), or keep its inputs smaller (a normalization before it).")
     elif max(amax for _, _, amax in rec.largest) > _HUGE:
