@@ -627,6 +627,9 @@ def _forward_of(node: str) -> str:
 
     if callable(getattr(torch, name, None)):
         return f"torch.{name}"
+    space, _, rest = name.partition("_")  # linalg_vector_norm: torch.linalg.vector_norm
+    if space in ("linalg", "special", "fft") and callable(getattr(getattr(torch, space), rest, None)):
+        return f"torch.{space}.{rest}"
     return next((f"aten.{op}" for op in (name, f"_{name}") if hasattr(torch.ops.aten, op)), node)
 
 
