@@ -179,22 +179,22 @@ def test_a_genuine_overflow_streak_only_skips():
     assert scaler.get_scale() < 2.0 ** 20
 
 
-def weighted_fp16_steps(steps, weight, growth=1.0, **scaler_kwargs):
-    """A loss weighted up so far that its fp16 gradients overflow even unscaled (the weight times ``growth`` at each
-    step): GradScaler must back off below scale 1. Returns the scale and the parameters after ``steps``."""
+def weighted_fp16_steps(steps, weight_at, **scaler_kwargs):
+    """An fp16 loop whose model output is weighted by ``weight_at(step)``: weighted far enough up, its fp16 gradients
+    overflow even unscaled, and GradScaler must back off below scale 1. Returns the scale and the parameters after
+    ``steps``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
-    for _ in range(steps):
+    for i in range(steps):
         x, y = torch.randn(16, 8), torch.randn(16, 1)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float() * weight, y)
+            loss = torch.nn.functional.mse_loss(model(x).float() * weight_at(i), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        weight *= growth
     return scaler.get_scale(), [p.detach().clone() for p in model.parameters()]
 
 
@@ -202,10 +202,10 @@ def test_gradients_that_overflow_fp16_even_unscaled_only_skip_while_gradscaler_b
     """Non-finite at scale 1 is not "at every scale": the addmm backward's fp16 gradients exceed 65504 unscaled, and
     GradScaler trains at 0.25. The second replay, at the lowest scale it tries before the streak is stopped, is
     finite, so the run goes on exactly as without ampguard."""
-    plain_scale, plain = weighted_fp16_steps(30, 1e3, init_scale=2.0 ** 10)
+    plain_scale, plain = weighted_fp16_steps(30, lambda i: 1e3, init_scale=2.0 ** 10)
     assert plain_scale < 1.0  # (the premise: GradScaler settles below 1 and steps there)
     g = ampguard.install()
-    scale, params = weighted_fp16_steps(30, 1e3, init_scale=2.0 ** 10)
+    scale, params = weighted_fp16_steps(30, lambda i: 1e3, init_scale=2.0 ** 10)
     assert g.stats.nonfinite_detected == 0 and g.stats.optimizer_steps_applied > 0
     assert scale == plain_scale and all(torch.equal(a, b) for a, b in zip(plain, params, strict=True))
 
@@ -215,39 +215,26 @@ def test_a_collapse_after_gradients_finite_only_below_scale_1_says_so():
     than GradScaler backs off: the collapse error says where the replays found them finite."""
     ampguard.install(max_consecutive_skips=20)
     with pytest.raises(ampguard.LossScaleCollapseError) as info:
-        weighted_fp16_steps(30, 1e3, growth=4.0, init_scale=2.0 ** 10)
+        weighted_fp16_steps(30, lambda i: 1e3 * 4.0 ** i, init_scale=2.0 ** 10)
     message = str(info.value)
     assert "the gradients overflowed even at scale 1, and were finite at scale 0.0" in message, message
     assert "replayed at scale 1 after 3 skips, the gradients were finite" not in message
 
 
-def transient_fp16_steps(steps, bad_at, **scaler_kwargs):
-    """An fp16 loop whose GradScaler calibrates down from a large scale (every step skips), with batches
-    ``bad_at`` weighted so far up that their fp16 gradients overflow at scale 1 and at every scale the streak can
-    reach. Returns the scale and the parameters after ``steps``."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
-    for i in range(steps):
-        x, y = torch.randn(16, 8), torch.randn(16, 1)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y) * (1e8 if i in bad_at else 1.0)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-    return scaler.get_scale(), [p.detach().clone() for p in model.parameters()]
+def outliers(*at):
+    """Batches ``at`` weighted so far up that their fp16 gradients overflow at scale 1 and at every scale a streak
+    that starts calibrating from 2**40 can reach: one bad batch, or a few in a row."""
+    return lambda i: 1e4 if i in at else 1.0
 
 
 def test_one_batch_non_finite_at_every_scale_inside_a_streak_only_skips_as_without_ampguard():
     """The third skip of a calibration streak falls on one bad batch (an outlier whose gradients overflow fp16 at
     any scale the streak reaches). Without ampguard GradScaler skips it and trains on; the scale-1 replay of that
     one batch is no evidence that backing off cannot fix the streak. It once stopped the run there."""
-    plain = transient_fp16_steps(30, bad_at={2}, init_scale=2.0 ** 40)
+    plain = weighted_fp16_steps(30, outliers(2), init_scale=2.0 ** 40)
     assert plain[0] < 2.0 ** 20  # (the premise: GradScaler calibrated down and applied steps)
     g = ampguard.install()
-    installed = transient_fp16_steps(30, bad_at={2}, init_scale=2.0 ** 40)
+    installed = weighted_fp16_steps(30, outliers(2), init_scale=2.0 ** 40)
     assert g.stats.nonfinite_detected == 0 and g.stats.optimizer_steps_applied > 0
     assert installed[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(plain[1], installed[1], strict=True))
@@ -257,7 +244,7 @@ def test_two_skipped_batches_in_a_row_non_finite_at_every_scale_stop_the_streak(
     """The next skipped step agrees (two batches in a row): the streak is stopped at the fourth skip, naming the op."""
     g = ampguard.install()
     with pytest.raises(ampguard.NonFiniteError) as info:
-        transient_fp16_steps(30, bad_at={2, 3}, init_scale=2.0 ** 40)
+        weighted_fp16_steps(30, outliers(2, 3), init_scale=2.0 ** 40)
     err, message = info.value, str(info.value)
     assert err.sink == "gradients at every loss scale" and err.op == "aten._to_copy", message  # (.float())
     assert "The backward of aten._to_copy (ToCopyBackward0)" in message, message
