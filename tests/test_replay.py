@@ -1761,7 +1761,19 @@ def test_data_that_overflows_float16_under_autocast_says_how_large_it_was():
 
 
 def test_an_inf_at_a_singularity_is_not_called_an_overflow():
-    """x / 0 and log(0) make ±Inf from small finite inputs: no result passed a dtype's largest value."""
-    for loss_of in (lambda out: (out / torch.zeros(())).mean(), lambda out: torch.log(out * 0).mean()):
+    """x / 0, log(0) and 0 ** -1 make ±Inf from small finite inputs: no result passed a dtype's largest value."""
+    for loss_of in (lambda out: (out / torch.zeros(())).mean(), lambda out: torch.log(out * 0).mean(),
+                    lambda out: (out * 0).pow(-1).mean()):
         _, message = _error_of_a_step(loss_of)
         assert "(inputs finite, output" in message and "overflowed" not in message, message
+
+
+def test_a_square_or_a_quotient_that_passes_float32_is_called_an_overflow():
+    """pow and div have a singularity at 0, but with no 0 among their inputs their Inf is an overflow (a hand-written
+    squared error of a diverged prediction)."""
+    for loss_of, op in ((lambda out: (out * 1e20).pow(2).mean(), "Tensor.pow"),
+                        (lambda out: (out * 1e30 / 1e-10).mean(), "Tensor.div")):
+        err, message = _error_of_a_step(loss_of)
+        assert err.op == op and f"created by {op} (inputs finite, output +Inf" in message, message
+        assert "it overflowed. Their largest |x|: the output of Tensor.mul " in message, message
+        assert "a learning rate too high for the model" in message, message

@@ -538,10 +538,11 @@ _OP_ADVICE = (
 )
 
 
-# aten ops that make ±Inf from finite inputs at a singularity (log(0), x/0, rsqrt(0), atanh(1)), not only by passing
-# the dtype's largest value
-_SINGULAR = re.compile(r"(?<![a-z_])(div|divide|true_divide|floor_divide|reciprocal|r?sqrt|log\w*|xlogy|pow|"
-                       r"float_power|atanh|arctanh|digamma|lgamma|polygamma|mvlgamma|tan|erfinv|logit|special_\w+)_?\b")
+# aten ops that make ±Inf from finite inputs at a singularity, not only by passing the dtype's largest value: at an
+# input of 0 (log(0), x/0, rsqrt(0), pow(0, -1)), or elsewhere (atanh(1), log1p(-1), lgamma(-1))
+_SINGULAR_AT_0 = frozenset(("div", "divide", "true_divide", "floor_divide", "reciprocal", "rsqrt", "sqrt", "log",
+                            "log2", "log10", "xlogy", "pow", "float_power"))
+_SINGULAR = re.compile(r"log\w*|atanh|arctanh|digamma|lgamma|polygamma|mvlgamma|tan|erfinv|logit|special_\w+")
 _HUGE = 1e9  # an input above this in float32 or bfloat16 is no activation or weight of a healthy run
 
 
@@ -549,11 +550,13 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     """An op with no singularity (a matmul, a sum, a square) that made ±Inf from finite inputs: its result passed its
     dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging)."""
     limit = report._LIMITS.get(str(rec.dtype))
-    if not rec.largest or limit is None or _SINGULAR.search(rec.name):
+    op = rec.name.partition(".")[2].strip("_")
+    singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
+    if not rec.largest or limit is None or singular:
         return []
     dtype = str(rec.dtype).removeprefix("torch.")
     sizes = []
-    for ref, producer, amax in rec.largest:
+    for ref, producer, amax, _ in rec.largest:
         tensor = ref()
         name = names.get(id(tensor)) if tensor is not None else None  # (a parameter: also its autocast copy)
         if name is None and producer is not None:
@@ -566,7 +569,7 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     elif dtype == "float16":
         lines.append("  In float16 that is an activation above 65504. Keep this op in float32 (outside autocast, or "
                      "on .float() inputs), or keep its inputs smaller (a normalization before it).")
-    elif max(amax for _, _, amax in rec.largest) > _HUGE:
+    elif max(amax for _, _, amax, _ in rec.largest) > _HUGE:
         lines.append("  Values this large usually grow over training: a learning rate too high for the model (the "
                      "loss rising), or data far from unit scale. Lower the learning rate, clip the gradients "
                      "(clip_grad_norm_), or normalize the inputs.")

@@ -176,7 +176,7 @@ class Session:
         """An op made ±Inf from finite inputs: how large its inputs were, to tell a result that passed its dtype's
         largest value (an overflow) from a singularity (log(0), x/0). Only such ops: the failure path.
         ((weakref to the parameter or tensor it is, views or was cast from, the record that made it or None, its
-        largest |x|), ...)"""
+        largest |x|, whether it holds a 0), ...)"""
         torch = sinks._torch
         found = []
         with torch._C.DisableTorchFunction():
@@ -188,7 +188,8 @@ class Session:
                 cast = self.cast_of.get(id(base))
                 if cast is not None and cast[0]() is base and cast[1]() is not None:
                     base = cast[1]()
-                found.append((weakref.ref(base), self.producer_of(t), float(values.abs().amax())))
+                found.append((weakref.ref(base), self.producer_of(t), float(values.abs().amax()),
+                              bool((values == 0).any())))
         return tuple(found)
 
     def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
