@@ -1777,3 +1777,20 @@ def test_a_square_or_a_quotient_that_passes_float32_is_called_an_overflow():
         assert err.op == op and f"created by {op} (inputs finite, output +Inf" in message, message
         assert "it overflowed. Their largest |x|: the output of Tensor.mul " in message, message
         assert "a learning rate too high for the model" in message, message
+
+
+def test_fp16_gradients_that_overflow_in_the_backward_are_called_an_overflow_not_an_unbounded_op():
+    """fp16 parameters without a GradScaler, a loss weighted up: the fp32 gradient that .float()'s backward casts to
+    float16 passes 65504. That is no singularity, and "look for sqrt or pow at 0" sent the user the wrong way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 64).half(), torch.randn(64, 1)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        (torch.nn.functional.mse_loss(model(x).float(), y) * 1e9).backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "aten._to_copy" and err.sink == "gradient of parameter '0.weight'", message
+    assert "more than float16 holds (6.55e+04): they overflowed float16 here, at no singularity." in message, message
+    assert "The loss was finite: the backward pass overflowed float16 (above). Make the loss smaller" in message
+    assert "sqrt or pow at 0" not in message, message

@@ -45,11 +45,33 @@ _FROM_ANOTHER_RANK = ("  Replayed from the same inputs, RNG state, autocast and 
                       "look for " + _CHANGED_AFTER + "a nondeterministic kernel, or a transient hardware fault.")
 _FORWARD_MADE = "  The forward made it:"  # a backward node met a non-finite value its forward saved (0 x NaN)
 _FORWARD_MET = "  The forward met it:"  # ... one that entered the forward non-finite (the data, a parameter)
+_OVERFLOWED = "  Its incoming gradients were finite, up to"  # a backward node's gradients passed their dtype's largest
 
 
 def _forward_made(lines: list[str]) -> bool:
     """Whether _replay_backward's lines name a forward value (see _made_in_forward), not a backward op."""
     return bool(lines) and lines[0].startswith((_FORWARD_MADE, _FORWARD_MET))
+
+
+def _overflowed(lines: list[str]) -> str | None:
+    """The dtype that _replay_backward's lines say the gradients overflowed, if they say so (see _overflow_lines)."""
+    line = next((line for line in lines if line.startswith(_OVERFLOWED)), None)
+    return line.rpartition(" overflowed ")[2].partition(" ")[0] if line is not None else None
+
+
+def _backward_made(lines: list[str], scaled: bool = False) -> str:
+    """What the loss-was-finite line says made the gradients non-finite, where a backward op did; ``scaled``: under
+    a GradScaler (its replay without scaling)."""
+    dtype = _overflowed(lines)
+    if dtype is None:
+        return "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, " \
+            "division by a small value, the torch.where trick)"
+    if scaled:
+        return f"the backward pass overflowed {dtype} even unscaled (above). Make the loss smaller (a mean, not a " \
+            "sum; a smaller weight), or train under bf16 autocast (no GradScaler needed)"
+    return f"the backward pass overflowed {dtype} (above). Make the loss smaller (a mean, not a sum; a smaller " \
+        "weight), or keep the parameters in float32 and train under autocast with a GradScaler, which scales the " \
+        "gradients to fit"
 
 
 def fail(g: _guard.Guard, p: Pending) -> None:
@@ -684,8 +706,7 @@ def _gradient_error(g: _guard.Guard, p: Pending, window: list, losses: list) -> 
         pass  # the replayed backward stayed finite, the forward made it, or no loss was seen (a torch.func.grad's):
         # "the loss was finite: the backward pass made it" would be false
     else:
-        lines.append("  The loss was finite: the backward pass made it. Look for ops with unbounded gradients (sqrt "
-                     "or pow at 0, log near 0, division by a small value, the torch.where trick).")
+        lines.append(f"  The loss was finite: {_backward_made(more)}.")
     return NonFiniteError("\n".join(lines), kind=kind, sink=sink, op=op, module=module, origin=origin)
 
 
@@ -758,11 +779,26 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
     else:
         forward = _forward_of(found["node"])
         lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
-                 f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}"]
+                 f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}",
+                 *_overflow_lines(found.get("incoming"))]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, \
         [*lines, *_written_inputs(session, True), *how]
+
+
+def _overflow_lines(incoming: tuple | None) -> list[str]:
+    """A backward node that made ±Inf from finite gradients larger than the dtype it made holds (a cast of an fp32
+    gradient to fp16, by autocast or .float()): they overflowed it, which no op's singularity did."""
+    if incoming is None:
+        return []
+    largest, dtype = incoming
+    limit = report._LIMITS.get(str(dtype))
+    if limit is None or largest <= limit:
+        return []  # (an op's own arithmetic may still overflow; that is not known here)
+    name = str(dtype).removeprefix("torch.")
+    return [f"{_OVERFLOWED} |x| = {largest:.3g}, more than {name} holds ({limit:.4g}): they overflowed {name} "
+            "here, at no singularity."]
 
 
 _SITES_SHOWN = 5  # lines listed where a script's graph has the op more than once
@@ -936,9 +972,7 @@ def unscaled(g: _guard.Guard, window: list, losses: list, streak: int, scale: fl
             "without scaling the loss. The skipped step before this one was non-finite at every scale too, so it "
             "is not one bad batch (GradScaler skips such a batch and trains on)."]
     made_by = "a non-finite input of the forward did (above)" if lines and lines[0].startswith(_FORWARD_MET) else \
-        "the forward made it (above)" if _forward_made(lines) else \
-        "the backward pass made it. Look for ops with unbounded gradients (sqrt or pow at 0, log near 0, division " \
-        "by a small value, the torch.where trick)"
+        "the forward made it (above)" if _forward_made(lines) else _backward_made(lines, scaled=True)
     tail = [f"  The loss was finite: {made_by}. This check replays after "
             f"check_unscaled_after={g.options.check_unscaled_after} skips in a row, and raises where two skipped steps "
             "in a row agree."]

@@ -794,9 +794,11 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
             bad = [kinds(g) for g in outgoing]
             if any(bad) and not any(kinds(g) for g in incoming):
                 stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-                found.update(node=node.name(), kinds=frozenset().union(*bad), frames=_parse(stack or []),
+                made = frozenset().union(*bad)
+                found.update(node=node.name(), kinds=made, frames=_parse(stack or []),
                              node_id=id(node), function=getattr(node, "_forward_cls", None),
-                             saved=_saved_non_finite(node))
+                             saved=_saved_non_finite(node),
+                             incoming=None if "nan" in made else _largest_incoming(incoming, outgoing, bad))
 
         handles.append(node.register_hook(hook))
     inputs = [p for p in params if p.requires_grad]
@@ -818,6 +820,16 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
         if bad and hooks:
             return {"hook": list(hooks.values()), "param": param, "kinds": bad}
     return None
+
+
+def _largest_incoming(incoming: list, outgoing: list, bad: list) -> tuple | None:
+    """A node made only ±Inf from finite gradients: (their largest |x|, the dtype of the gradient it made Inf), to
+    tell an overflow (an fp16 gradient above 65504) from a singularity (sqrt's at 0)."""
+    torch = sinks._torch
+    with torch._C.DisableTorchFunction():
+        sizes = [float(sinks.stored(g.detach()).abs().amax()) for g in incoming if g.numel()]
+    dtype = next(g.dtype for g, k in zip(outgoing, bad, strict=True) if k)
+    return (max(sizes), dtype) if sizes else None
 
 
 def _saved_non_finite(node: Any) -> bool:
