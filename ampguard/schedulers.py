@@ -723,21 +723,21 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
     elif checked:
         lines.append("    - the loss was finite at every one of these steps (ampguard checked it), so the forward "
                      "pass is not the cause and the parameters were finite.")
-        replayed = unscaled is not None and record.consecutive_skips >= unscaled and ("nonfinite" in g._on) and \
-            g.options.trace != "off"
-        finite_at = record.unscaled_finite_at or [None]
-        if replayed and finite_at[0] == 1.0:
+        replayed = unscaled is not None and record.consecutive_skips >= unscaled and g.options.trace != "off"
+        verdicts = record.unscaled_finite_at  # (the latest replay's: see ScalerRecord)
+        finite_at = verdicts[0] if verdicts else None
+        if replayed and finite_at == 1.0:
             lines.append(f"    - replayed at scale 1 after {unscaled} skips, the gradients were finite: the overflow "
                          "happens only at the scales tried, in fp16 activations' gradients (they exceed 65504). "
                          "Fix: train in bf16 autocast (no GradScaler needed), or keep the largest activations in "
                          "float32.")
-        elif replayed and finite_at[0] is not None:
+        elif replayed and finite_at is not None:
             lines.append(f"    - replayed after {unscaled} skips, the gradients overflowed even at scale 1, and were "
-                         f"finite at scale {finite_at[0]:g}: unscaled, fp16 activations' gradients exceed 65504 (a "
+                         f"finite at scale {finite_at:g}: unscaled, fp16 activations' gradients exceed 65504 (a "
                          "loss summed over many elements, or weighted up), so GradScaler must run below 1. Fix: a "
                          "smaller loss (a mean, not a sum), bf16 autocast (no GradScaler needed), or the largest "
                          "activations in float32.")
-        elif replayed and record.unscaled_finite_at:  # [None]
+        elif replayed and verdicts:  # [None]
             lines.append(f"    - an op whose gradients are inf/NaN whatever the scale (a custom autograd Function, "
                          f"sqrt or pow at 0): replayed after {record.consecutive_skips} skips, the gradients were "
                          "inf/NaN at every scale tried. ampguard names the op where the replays of two skipped steps "

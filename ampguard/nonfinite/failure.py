@@ -461,8 +461,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         alive = rec.ref()
         lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {rec.shape}, {rec.dtype}")
-        if not masked and not rec.numbers:
-            lines.extend(_overflow(session, names, rec, label))
+        lines.extend(_overflow(session, names, rec, label))
     if result["transition"] is not None:
         lines.append(_became(g, window, records[result["transition"]]))
     lines.extend(_masks(session, names, result["masks"]))
@@ -570,7 +569,8 @@ _HUGE = 1e9  # an input above this in float32 or bfloat16 is no activation or we
 
 def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> list[str]:
     """An op with no singularity (a matmul, a sum, a square) that made ±Inf from finite inputs: its result passed its
-    dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging)."""
+    dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging).
+    (``rec.largest`` is measured only where every input was finite, and no Python number or mask made the Inf.)"""
     limit = report._LIMITS.get(str(rec.dtype))
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
@@ -862,12 +862,10 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
                          f"{in_module} at\n    {report.where(own)}{called}", f"{_FORWARD_MET} it entered")
         op = module = None
     else:
-        masked = _made_from_a_mask(walked)
-        finite = "inputs finite but for a mask" if masked else "inputs finite"
+        finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds)]
-        if not masked and not rec.numbers:
-            lines.extend(_overflow(session, _names(g, window), rec, label))
+                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds),
+                 *_overflow(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))

@@ -158,13 +158,14 @@ class Session:
         if name == "aten._to_copy" and tensors and isinstance(tensors[0], torch.nn.Parameter):
             for o in outputs:  # (autocast's copy of a weight: an overflow's input is named by its parameter)
                 self.cast_of[id(o)] = (weakref.ref(o), weakref.ref(tensors[0]))
-        first = len(self.records)
+        made_inf = None  # the records of outputs this op made ±Inf in (rare: a list only then)
         for o in outputs:
             found = kinds(o) if o.numel() and written else frozenset()
             self._add(o, found, inputs, constant, made_by)
+            if found & _INFS:
+                made_inf = [*(made_inf or ()), self.records[-1]]
             if mutable and o._base is not None:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
-        made_inf = [r for r in self.records[first:] if r.kinds & _INFS]
         if made_inf and not leaves and not numbers and not any(self.records[i].kinds for i in inputs):
             largest = self._largest(tensors[:_LARGEST_OF])
             for r in made_inf:
@@ -177,19 +178,16 @@ class Session:
         largest value (an overflow) from a singularity (log(0), x/0). Only such ops: the failure path.
         ((weakref to the parameter or tensor it is, views or was cast from, the record that made it or None, its
         largest |x|, whether it holds a 0), ...)"""
-        torch = sinks._torch
         found = []
-        with torch._C.DisableTorchFunction():
-            for t in tensors:
-                values = sinks.stored(t.detach())
-                if not values.numel():
-                    continue
-                base = t._base if t._base is not None else t  # (weight.t() in a linear: its parameter names it)
-                cast = self.cast_of.get(id(base))
-                if cast is not None and cast[0]() is base and cast[1]() is not None:
-                    base = cast[1]()
-                found.append((weakref.ref(base), self.producer_of(t), float(values.abs().amax()),
-                              bool((values == 0).any())))
+        for t in tensors:
+            size = _largest_abs(t)
+            if size is None:
+                continue
+            base = t._base if t._base is not None else t  # (weight.t() in a linear: its parameter names it)
+            cast = self.cast_of.get(id(base))
+            if cast is not None and cast[0]() is base and cast[1]() is not None:
+                base = cast[1]()
+            found.append((weakref.ref(base), self.producer_of(t), *size))
         return tuple(found)
 
     def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
@@ -229,6 +227,17 @@ class Session:
 
 _INFS = frozenset(("inf", "-inf"))
 _LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
+
+
+def _largest_abs(tensor: Any) -> tuple[float, bool] | None:
+    """(the largest |x| of a tensor, whether it holds a 0), or None where it stores no value: the failure path, to
+    tell an overflow from a singularity."""
+    torch = sinks._torch
+    with torch._C.DisableTorchFunction():
+        values = sinks.stored(tensor.detach())  # (a sparse tensor's values, a complex one's parts)
+        if not values.numel():
+            return None
+        return float(values.abs().amax()), bool((values == 0).any())
 
 
 def kinds(tensor: Any) -> frozenset:
@@ -825,9 +834,7 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
 def _largest_incoming(incoming: list, outgoing: list, bad: list) -> tuple | None:
     """A node made only ±Inf from finite gradients: (their largest |x|, the dtype of the gradient it made Inf), to
     tell an overflow (an fp16 gradient above 65504) from a singularity (sqrt's at 0)."""
-    torch = sinks._torch
-    with torch._C.DisableTorchFunction():
-        sizes = [float(sinks.stored(g.detach()).abs().amax()) for g in incoming if g.numel()]
+    sizes = [size[0] for size in map(_largest_abs, incoming) if size is not None]
     dtype = next(g.dtype for g, k in zip(outgoing, bad, strict=True) if k)
     return (max(sizes), dtype) if sizes else None
 
