@@ -44,6 +44,8 @@ class Stats:
     loss_scale_max: float | None = None
     closures_injected: int = 0
     nonfinite_detected: int = 0
+    # losses made non-finite by a gradient penalty of scaled gradients, at steps GradScaler skipped (its overflow)
+    penalty_overflows: int = 0
 
     def anything_happened(self) -> bool:
         """Whether a run needs the exit report: something was skipped, held, injected or detected."""
@@ -198,6 +200,9 @@ class Guard:
             lines.append(f"  loss scale: last {s.loss_scale:g} (range {s.loss_scale_min:g} .. {s.loss_scale_max:g})")
         lines.append(f"  closures injected: {s.closures_injected}")
         lines.append(f"  non-finite values detected: {s.nonfinite_detected}")
+        if s.penalty_overflows:
+            lines.append(f"  gradient-penalty losses that overflowed with the scaled gradients, left to GradScaler: "
+                         f"{s.penalty_overflows}")
         if self.reproducers:
             lines.append(f"  reproducers: {len(self.reproducers)} written to "
                          f"{os.path.dirname(self.reproducers[0])}; replay one with: python -m ampguard repro "

@@ -80,6 +80,8 @@ class ScalerRecord:
     # what check_unscaled_after's latest replay found: [1.0] or [a scale below 1] (finite there), [None] (non-finite
     # at every scale tried), or [] (no verdict: no window, or the replay failed); None until a streak reaches it
     unscaled_finite_at: list | None = None
+    penalty_now: bool = False  # a loss of this iteration was a gradient penalty's overflow (note_penalty_overflow)
+    penalty_skips: int = 0  # of the skips in a row, those whose loss was
 
 
 class _Tables:
@@ -646,6 +648,8 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     if skipped:
         record.consecutive_skips += 1
         record.skipped_in_run.update(dict.fromkeys(skipped))
+        penalty, record.penalty_now = record.penalty_now, False
+        record.penalty_skips = (record.penalty_skips if record.consecutive_skips > 1 else 0) + penalty
     else:
         record.consecutive_skips = 0
         if record.skipped_in_run:
@@ -678,6 +682,12 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
                         f"GradScaler skipped the optimizer step {record.consecutive_skips} times in a row "
                         f"(max_consecutive_skips={limit})")
     return record
+
+
+def note_penalty_overflow(g: Guard, scaler: Any) -> None:
+    """A loss of this iteration was non-finite through a gradient penalty of ``scaler``'s scaled gradients, and left
+    to it as their overflow (failure.scale_overflow): a collapse says so."""
+    g.states[TABLES].scalers.of(scaler).penalty_now = True
 
 
 def _fp32(x: float) -> float:
@@ -720,6 +730,13 @@ def _causes(g: Guard, record: ScalerRecord, history: list[float]) -> list[str]:
     if warned:
         lines.append(f"    - ampguard's non-finite check found {warned} non-finite value(s) in this run and went on "
                      f"(nonfinite='{mode}'): its warnings name the op and the line.")
+    elif checked and record.penalty_skips:
+        lines.append(f"    - at {record.penalty_skips} of these steps the loss was inf/NaN through a gradient penalty "
+                     "taken of the scaled gradients (torch.autograd.grad of a value GradScaler scaled, with "
+                     "create_graph=True). ampguard leaves that to GradScaler as their overflow, and no replay can "
+                     "run the penalty at another scale. If it never settles, the penalty is inf/NaN at every scale "
+                     "(a division by, or the log of, a gradient norm that is 0): compute it in float32 and guard "
+                     "those ops.")
     elif checked:
         lines.append("    - the loss was finite at every one of these steps (ampguard checked it), so the forward "
                      "pass is not the cause and the parameters were finite.")

@@ -103,6 +103,14 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     if T.late and p.call is None and p.params is None and type(p) is not sinks.Found:
         error.add_line(_LATE_CLEARED if T.cleared else _LATE)
     T.cleared = False
+    if p.penalty is not None:
+        try:
+            line = _applied_all_the_same(g, p, window)
+        except Exception as exc:  # (the failure path's replay: the error goes out as it is)
+            log.debug("ampguard: the replay of a gradient penalty's loss failed", exc_info=exc)
+            line = None
+        if line is not None:
+            error.add_line(line)
     if g.options.repro_dir is not None:
         repro.attach(g, error, window)
     emit(g, error)
@@ -293,6 +301,103 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
 
 _FUSED = ("  (Replayed at the dispatch level only: under torch-function naming the value stayed finite, because "
           "torch's fused fast path ran in the original call and its slow path in that replay.)")
+
+
+def scale_overflow(g: _guard.Guard, p: Pending, window: list) -> bool:
+    """Whether the non-finite loss ``p``, made after gradients were taken of a value a GradScaler scaled (the AMP
+    recipe for a gradient penalty: ``torch.autograd.grad(scaler.scale(out), ..., create_graph=True)``), is those
+    scaled gradients' overflow: the scaler skips this step, and the loss is finite when what the loss code took from
+    them is (a replay with that replaced), or the replay cannot tell (the penalty's values were freed). That is
+    GradScaler's business, as without ampguard: the scale backs off and the run goes on, and a streak of them meets
+    max_consecutive_skips. A NaN that is there without the penalty (log(0) in the loss, the data, a parameter) is
+    raised as always. Failure path only."""
+    scaler, keys = p.penalty
+    if _skips(scaler) is False:
+        return False  # (the step is applied: see _applied_all_the_same)
+    if g.options.trace != "off":
+        try:
+            verdict = sinks.outside_compile(_without_penalty)(p, window, keys)
+        except Exception as exc:  # (the failure path's replay: no verdict)
+            log.debug("ampguard: the replay of a gradient penalty's loss failed", exc_info=exc)
+            verdict = None
+        if verdict is False:
+            return False
+    g.stats.penalty_overflows += 1
+    schedulers = sys.modules.get("ampguard.schedulers")
+    if schedulers is not None and "schedulers" in g._on:
+        schedulers.note_penalty_overflow(g, scaler)
+    log.info("ampguard: a loss made after a gradient penalty of scaled gradients was non-finite where GradScaler "
+             "skipped the step: left to the scaler, as its overflow")
+    return True
+
+
+def _skips(scaler: Any) -> bool | None:
+    """Whether ``scaler`` found inf/NaN gradients for an optimizer this iteration (it skips that step); None where
+    it has not unscaled them yet, or its update() has ended the iteration (a read after it: schedulers=False, where
+    no read rides on update())."""
+    found = [f for state in scaler._per_optimizer_states.values()
+             for f in state.get("found_inf_per_device", {}).values()]
+    return any(bool(f.item()) for f in found) if found else None
+
+
+def _applied_all_the_same(g: _guard.Guard, p: Pending, window: list) -> str | None:
+    """The line for a loss that a gradient penalty of scaled gradients made non-finite (see scale_overflow) at a
+    step GradScaler applied: where the penalty's value is inf its gradient vanishes (through a sqrt or a norm), so
+    the gradients stay finite, GradScaler neither skips nor backs off, and the penalty stops training without a
+    sign. None where that is not what happened."""
+    scaler, keys = p.penalty
+    if g.options.trace == "off" or _skips(scaler) is not False:
+        return None
+    if sinks.outside_compile(_without_penalty)(p, window, keys) is not True:
+        return None
+    return (f"  A gradient penalty made it: the loss is finite with the values it took from the scaled gradients "
+            f"(torch.autograd.grad of a value GradScaler scaled, create_graph=True) replaced. At scale "
+            f"{scaler.get_scale():g} they overflow where they pass float16's 65504 (a gradient of a sum over the "
+            "batch is the scale times that sum: a last layer's bias gets scale x batch size); a division by 0 or a "
+            "log of 0 in the penalty is inf at any scale. Its gradient vanished (through a sqrt or a norm, or in a "
+            "term without a graph), so the step's gradients were finite: GradScaler applied the step and does not "
+            "back off, and the penalty stays inf without training. Fix: take the gradients of a mean rather than a "
+            "sum (scaler.scale(out.mean()), and multiply by the batch size as you unscale them: the same penalty, "
+            "from values the batch size smaller), or train in bf16 autocast (no GradScaler needed).")
+
+
+def _without_penalty(p: Pending, window: list, keys: set) -> bool | None:
+    """Whether loss ``p`` is finite when the tensors its loss code took from the scaled gradients (those computed
+    from an autograd node of ``keys``) hold ones instead: replayed twice, as it ran and so. None where the first
+    replay does not reproduce the value (an input was freed, so that it could not run)."""
+    torch = sinks._torch
+    session = replay.Session()
+    with replay.untouched(window):
+        replay.run_window(session, window)
+        target = _replayed(session, p, _sink_tensor(p))
+    if target is None or not _reproduced(p, target):
+        return None
+    penalty = [o for o in session.keep if _reaches(o, keys)]
+    if not penalty:
+        return False
+    without = replay.Session()
+    for o in penalty:
+        without.mapping[id(o)] = torch.ones_like(o.detach())
+        without.keep.append(o)
+    with replay.untouched(window):
+        replay.run_window(without, window)
+        target = _replayed(without, p, _sink_tensor(p))
+    return target is not None and not replay.kinds(target)
+
+
+def _reaches(tensor: Any, keys: set) -> bool:
+    """Whether ``tensor`` was computed from an autograd node of ``keys`` (sinks._penalty's): its graph stays walkable
+    after backward() freed what it saved."""
+    stack, seen = [getattr(tensor, "grad_fn", None)], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if (sinks._node_key(node), node.name()) in keys:
+            return True
+        stack.extend(edge for edge, _ in node.next_functions)
+    return False
 
 
 def _reproduced(p: Pending, target: Any) -> bool:

@@ -174,12 +174,12 @@ class TapeOp:
 class Pending:
     """A sink waiting for the next shared read."""
 
-    __slots__ = ("_sink", "call", "guard", "key", "nan_only", "optimizer", "params", "parts", "ref", "status",
-                 "tensor")
+    __slots__ = ("_sink", "call", "guard", "key", "nan_only", "optimizer", "params", "parts", "penalty", "ref",
+                 "status", "tensor")
 
     def __init__(self, guard: Any, sink: Any, nan_only: bool, parts: list, tensor: Any = None, call: Any = None,
                  params: list | None = None, optimizer: Any = None, key: Any = None, status: Any = None,
-                 ref: Any = None) -> None:
+                 ref: Any = None, penalty: tuple | None = None) -> None:
         self.guard = guard
         self._sink = sink  # a string, a callable that makes it, or None for an output (only a failure needs the words)
         self.nan_only = nan_only
@@ -191,6 +191,7 @@ class Pending:
         self.params = params  # gradient sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
         self.ref = ref  # a loss: the Ref through which the replay finds it
+        self.penalty = penalty  # a loss made after a gradient penalty of scaled gradients: _Thread.penalty
 
     def alive(self) -> list:
         """The parts, with each weakly held one resolved (None where the user dropped it)."""
@@ -235,7 +236,11 @@ class _Thread:
         self.through: dict[tuple[int, int], Ref] = {}
         self.stepping = False  # the window holds a train-mode call with grad: a step is under way (_new_batch)
         self.losses: list = []  # Refs of the losses given to backward since the last read
-        self.scaled: dict[int, Any] = {}  # id(scaled loss) -> weakref: its backward is its loss's sink
+        self.scaled: dict[int, tuple] = {}  # id(scaled loss) -> (weakref, scaler): its backward is its loss's sink
+        # (the GradScaler, keys of the gradients' nodes): this step's loss code took gradients of a value that scaler
+        # scaled, with create_graph (a gradient penalty); see failure.scale_overflow
+        self.penalty: tuple | None = None
+        self.scale_bound = False  # the latest read let a loss through as such a penalty's overflow (check_unscaled)
         self.backward_since_read = False
         self.released = 0  # window events before this one hold their data weakly (a step's earlier micro-batches)
         self.late = False  # the read in progress is at a module call, not at a step (a failure says so)
@@ -1347,7 +1352,7 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
     else:
         part = weakref.ref(loss)  # read if still held; its gradients are checked in any case
-    t.pending.append(Pending(g, "loss", False, [part], part, ref=ref))
+    t.pending.append(Pending(g, "loss", False, [part], part, ref=ref, penalty=t.penalty))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -1418,9 +1423,11 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     g = _guard.current(FEATURE)
     t = _here.state
     outputs, create_graph = autograd_grad_call(args, kwargs)
-    if g is None or t.replaying or create_graph or _is_compiling() or _transformed():
+    if g is None or t.replaying or _is_compiling() or _transformed():
         # (torch's own calls: AOTAutograd tracing a compiled backward on fake tensors, torch.func's transforms)
         return wrapped(*args, **kwargs)
+    if create_graph:
+        return _penalty(t, outputs, wrapped(*args, **kwargs)) if t.scaled else wrapped(*args, **kwargs)
     try:
         # (plain tensors only: torch 2.6 traces a compiled backward with this call on fake tensors, whose value
         # cannot be read, and without saying it is compiling, as 2.13 does)
@@ -1430,6 +1437,26 @@ def _autograd_grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return wrapped(*args, **kwargs)
+
+
+def _penalty(t: _Thread, outputs: Any, grads: Any) -> Any:
+    """Gradients taken with create_graph of a value a GradScaler scaled (the AMP recipe for a gradient penalty): the
+    loss made from them carries the scale, and overflows where the scaled gradients do, as GradScaler's skip
+    expects. Their nodes are noted by key (not held) for the failure path's replay (failure.scale_overflow)."""
+    try:
+        for o in (outputs,) if isinstance(outputs, _Tensor) else outputs or ():
+            entry = t.scaled.get(id(o))
+            if entry is not None and entry[0]() is o:
+                keys = t.penalty[1] if t.penalty is not None and t.penalty[0] is entry[1] else set()
+                for grad in (grads,) if isinstance(grads, _Tensor) else grads:
+                    node = getattr(grad, "grad_fn", None)
+                    if node is not None:
+                        keys.add((_node_key(node), node.name()))
+                t.penalty = (entry[1], keys)
+                break
+    except Exception as exc:
+        internal_failure(FEATURE, exc)
+    return grads
 
 
 def _training_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -1582,7 +1609,7 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         loss = args[0] if args else kwargs.get("outputs")
         if isinstance(loss, _Tensor) and isinstance(out, _Tensor) and loss.is_floating_point():
             add_loss(g, loss)
-            t.scaled[id(out)] = weakref.ref(out)  # backward() of it is this sink, not a second one
+            t.scaled[id(out)] = (weakref.ref(out), instance)  # backward() of it is this sink, not a second one
     except Exception as exc:
         internal_failure(FEATURE, exc)
     return out
@@ -1590,8 +1617,8 @@ def _scaler_scale(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
 
 def scaled(tensor: Any) -> bool:
     t = _here.state
-    ref = t.scaled.get(id(tensor))
-    return ref is not None and ref() is tensor
+    entry = t.scaled.get(id(tensor))
+    return entry is not None and entry[0]() is tensor
 
 
 def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -1983,6 +2010,9 @@ def _consume(values: list[float]) -> None:
     failed = None
     for p, at in layout:
         if _failed(p, [values[i] if i >= 0 else values[n + ~i] for i in at]):
+            if p.penalty is not None and _failure.scale_overflow(g, p, t.window):
+                t.scale_bound = True  # the scaled gradients' overflow: GradScaler skips the step, as without ampguard
+                continue
             if failed is None or _made_at(p) < _made_at(failed):
                 failed = p
             if p.call is None:  # a loss or gradient sink (added at backward or the step: after the outputs)
@@ -2062,10 +2092,11 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     __tracebackhide__ = True
     t = _here.state
     window, losses = t.window, t.losses  # a clean read rebinds them to new lists: these stay for the replay
+    t.scale_bound = False
     settle()  # a non-finite loss is reported as such first, with its forward op
     _clear_window()  # (if nothing of this feature was read, settle() left it)
-    if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window:
-        return
+    if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window or t.scale_bound:
+        return  # (a loss let through as a gradient penalty's overflow: no replay rescales the penalty, no verdict)
     _failure.unscaled(g, window, losses, streak, scale, lowest, finite_at, confirmed)
 
 
@@ -2094,6 +2125,7 @@ def _clear_window() -> None:
     t.backward_since_read = False
     t.released = 0
     t.scaled = {}
+    t.penalty = None
     t.transformed = False
 
 
