@@ -4,9 +4,9 @@ GradScaler skips those steps and trains on; ampguard must too, and still name a 
 
 import pytest
 import torch
+from loops import line_of
 
 import ampguard
-from loops import line_of
 
 
 def critic(seed=0):
