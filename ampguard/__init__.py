@@ -30,6 +30,7 @@ _EXPORTS = {
     "active": "_features",
     "guard": "_features",
     "install": "_features",
+    "replaying": "_guard",
     "uninstall": "_features",
 }
 _SUBMODULES = ("lightning", "lints", "nonfinite", "schedulers")
@@ -46,12 +47,14 @@ __all__ = [
     "active",
     "guard",
     "install",
+    "replaying",
     "uninstall",
 ]
 
 if TYPE_CHECKING:
     from ._errors import AmpGuardError, AmpGuardWarning, ConfigError, LossScaleCollapseError, NonFiniteError
     from ._features import Guard, Stats, active, guard, install, uninstall
+    from ._guard import replaying
 
 
 def __getattr__(name: str) -> Any:

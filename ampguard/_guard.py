@@ -282,6 +282,18 @@ def _installed_changed() -> None:
     _installed_on = _installed._on if _installed is not None and not _blocks else frozenset()
 
 
+_replays = [0]  # replays running now, in any thread (a replay's backward runs hooks in autograd's device threads)
+
+
+def replaying() -> bool:
+    """Whether ampguard is replaying a call now. A replay runs your module hooks as the call did (a pre-hook that
+    normalizes the input must), and runs where no error follows too: check_unscaled_after's replay of a GradScaler
+    skip streak, and a gradient penalty's overflow. A hook with effects outside its module (one that logs, or
+    appends to a list) can return early where this is true. In any thread: on a GPU, a replay's backward runs
+    backward hooks in autograd's device threads."""
+    return _replays[0] > 0
+
+
 def active() -> Guard | None:
     """The Guard in force in this thread: its innermost ``guard()`` block's, else the installed one, or None."""
     g = _LOCAL.guard if _blocks else None  # (no block open in any thread: no read of this thread's, see current())

@@ -1,6 +1,7 @@
 """Failure and abuse leave nothing behind: pickled errors, rejected options, usage errors that end in
 the user's frame, a disabled GradScaler, and a CLI that is a drop-in for python."""
 
+import contextlib
 import gc
 import multiprocessing
 import pickle
@@ -177,6 +178,38 @@ def test_a_genuine_overflow_streak_only_skips():
     scaler = fp16_scaled_steps(model, 30, init_scale=2.0 ** 40)  # fp16 backward overflows until it backs off
     assert g.stats.optimizer_steps_skipped >= 3 and g.stats.nonfinite_detected == 0
     assert scaler.get_scale() < 2.0 ** 20
+
+
+def test_hooks_with_side_effects_can_tell_the_replay_of_a_genuine_overflow_streak_and_skip_it():
+    # The replay at check_unscaled_after runs the model's hooks as the call did, in a run that goes on: a hook that
+    # logs sees one more call. ampguard.replaying() tells it.
+    def hooked_run(guarded):
+        calls = {"forward": 0, "backward": 0, "seen by a replay": 0}
+
+        def forward_hook(module, args, out):
+            if ampguard.replaying():
+                calls["seen by a replay"] += 1
+                return
+            calls["forward"] += 1
+
+        def backward_hook(module, grad_in, grad_out):
+            if not ampguard.replaying():
+                calls["backward"] += 1
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        model[2].register_forward_hook(forward_hook)
+        model[2].register_full_backward_hook(backward_hook)
+        with ampguard.guard() if guarded else contextlib.nullcontext() as g:
+            scaler = fp16_scaled_steps(model, 12, init_scale=2.0 ** 40)
+        assert not ampguard.replaying()
+        return calls, scaler.get_scale(), g
+
+    plain, scale, _ = hooked_run(False)
+    guarded, guarded_scale, g = hooked_run(True)
+    assert g.stats.optimizer_steps_skipped >= 3 and g.stats.nonfinite_detected == 0 and guarded_scale == scale
+    assert guarded["forward"] == plain["forward"] == 12 and guarded["backward"] == plain["backward"] == 12
+    assert guarded["seen by a replay"] >= 1 and plain["seen by a replay"] == 0
 
 
 def weighted_fp16_steps(steps, weight_at, **scaler_kwargs):

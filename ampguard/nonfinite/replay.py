@@ -357,6 +357,7 @@ def untouched(window: list) -> Iterator[None]:
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     T.replaying += 1
+    _guard._replays[0] += 1
     outer_root, T.replay_root = T.replay_root, None
     try:
         with stance, warnings.catch_warnings():
@@ -364,6 +365,7 @@ def untouched(window: list) -> Iterator[None]:
             yield
     finally:
         T.replaying -= 1
+        _guard._replays[0] -= 1
         T.replay_root = outer_root
         torch.set_autocast_cache_enabled(cache)
         for now, before in attributes:
