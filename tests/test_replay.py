@@ -1762,14 +1762,17 @@ def test_data_that_overflows_float16_under_autocast_says_how_large_it_was():
 
 def test_an_inf_at_a_singularity_is_not_called_an_overflow():
     """x / 0, log(0), 0 ** -1, the log-determinant or the inverse of a singular matrix make ±Inf from small finite
-    inputs: no result passed a dtype's largest value."""
-    for loss_of in (lambda out: (out / torch.zeros(())).mean(), lambda out: torch.log(out * 0).mean(),
-                    lambda out: (out * 0).pow(-1).mean(),
-                    lambda out: torch.logdet(out.T @ out * 0),
-                    lambda out: torch.logdet(torch.stack([out[0, :2], out[0, :2]])),  # singular, inputs not 0
-                    lambda out: torch.linalg.inv_ex(out[:1, :1] * 0).inverse.sum()):
+    inputs: no result passed a dtype's largest value. A division by 0 says so."""
+    for loss_of, divided_by_0 in ((lambda out: (out / torch.zeros(())).mean(), True),
+                                  (lambda out: (out / (out - out)).mean(), True),
+                                  (lambda out: torch.log(out * 0).mean(), False),
+                                  (lambda out: (out * 0).pow(-1).mean(), False),
+                                  (lambda out: torch.logdet(out.T @ out * 0), False),
+                                  (lambda out: torch.logdet(torch.stack([out[0, :2], out[0, :2]])), False),  # not 0
+                                  (lambda out: torch.linalg.inv_ex(out[:1, :1] * 0).inverse.sum(), False)):
         _, message = _error_of_a_step(loss_of)
         assert "(inputs finite, output" in message and "overflowed" not in message, message
+        assert ("of finite values is ±Inf where its divisor is 0" in message) == divided_by_0, message
 
 
 def test_a_square_or_a_quotient_that_passes_float32_is_called_an_overflow():

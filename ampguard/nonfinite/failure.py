@@ -668,6 +668,10 @@ _OP_ADVICE = (
 # input of 0 (log(0), x/0, rsqrt(0), pow(0, -1)), or elsewhere (atanh(1), log1p(-1), lgamma(-1))
 _SINGULAR_AT_0 = frozenset(("div", "divide", "true_divide", "floor_divide", "reciprocal", "rsqrt", "sqrt", "log",
                             "log2", "log10", "xlogy", "pow", "float_power"))
+_DIVISIONS = frozenset(("div", "divide", "true_divide", "reciprocal", "rsqrt"))
+_DIVIDED_BY_0 = ("  A division (or a reciprocal) of finite values is ±Inf where its divisor is 0: a difference of "
+                 "equal values, a count or a norm that is 0, a std of a constant. Add eps to the divisor (keeping its "
+                 "sign), or clamp it (min=eps) where it is never negative.")
 # singular away from 0 (atanh(1)), or where a matrix is (logdet, an inverse or a solve of a singular one)
 _SINGULAR = re.compile(r"\w*log\w*|atanh|arctanh|digamma|lgamma|polygamma|mvlgamma|tan|erfinv|special_\w+|"
                        r"\w*inv\w*|\w*solve\w*")
@@ -681,6 +685,8 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     limit = report._LIMITS.get(str(rec.dtype))
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
+    if singular and op in _DIVISIONS and "nan" not in rec.kinds:
+        return [_DIVIDED_BY_0]  # (a 0/0 is NaN, with advice of its own)
     if not rec.largest or limit is None or singular or not any(amax for _, _, amax, _ in rec.largest):
         return []  # (from inputs that are all 0, no result can pass a dtype's largest value)
     dtype = str(rec.dtype).removeprefix("torch.")
