@@ -259,7 +259,6 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
     if g.options.trace == "off":
         return _plain(p, ["  No origin is known (tracing is off: trace='off'); run with trace='replay' (the "
                           "default) to find the op that created it."])
-    original = _sink_tensor(p)
     reason = replay.unsafe(p.call) if p.call is not None else None
     if reason is not None:
         return _plain(p, [f"  No origin is known: the call was not replayed, because {reason}."])
@@ -281,15 +280,11 @@ def _forward_error(g: _guard.Guard, p: Pending, window: list) -> NonFiniteError:
                          "model = torch.compile(model), or run the step uncompiled, to have the op named.")
         return _plain(p, lines)
     session = replay.Session()
-    with replay.untouched(window):
-        replay.run_window(session, window)
-        target = _replayed(session, p, original)
+    target = _replay_sink(session, p, window)
     if target is not None and not _reproduced(p, target):
         # The named replay ran torch's slow paths; the original may have run a fused one. Replay as it ran.
         fused = replay.Session()
-        with replay.untouched(window):
-            replay.run_window(fused, window, names=False)
-            again = _replayed(fused, p, original)
+        again = _replay_sink(fused, p, window, names=False)
         if again is not None and _reproduced(p, again):
             return _explain(g, p, fused, window, again, note=_FUSED)
         return _plain(p, [_NOT_REPRODUCED.format(what="the " + p.sink, first=""),
@@ -367,9 +362,7 @@ def _without_penalty(p: Pending, window: list, keys: set) -> bool | None:
     replay does not reproduce the value (an input was freed, so that it could not run)."""
     torch = sinks._torch
     session = replay.Session()
-    with replay.untouched(window):
-        replay.run_window(session, window)
-        target = _replayed(session, p, _sink_tensor(p))
+    target = _replay_sink(session, p, window)
     if target is None or not _reproduced(p, target):
         return None
     penalty = [o for o in session.keep if _reaches(o, keys)]
@@ -379,9 +372,7 @@ def _without_penalty(p: Pending, window: list, keys: set) -> bool | None:
     for o in penalty:
         without.mapping[id(o)] = torch.ones_like(o.detach())
         without.keep.append(o)
-    with replay.untouched(window):
-        replay.run_window(without, window)
-        target = _replayed(without, p, _sink_tensor(p))
+    target = _replay_sink(without, p, window)
     return target is not None and not replay.kinds(target)
 
 
@@ -400,12 +391,20 @@ def _reaches(tensor: Any, keys: set) -> bool:
     return False
 
 
+def _replay_sink(session: replay.Session, p: Pending, window: list, names: bool = True) -> Any:
+    """Replay ``window`` into ``session`` (leaving no trace: see replay.untouched); the replayed value of sink ``p``,
+    or None where the replay did not make it."""
+    with replay.untouched(window):
+        replay.run_window(session, window, names=names)
+        return _replayed(session, p)
+
+
 def _reproduced(p: Pending, target: Any) -> bool:
     found = replay.kinds(target)
     return bool(found) and (not p.nan_only or "nan" in found)
 
 
-def _replayed(session: replay.Session, p: Pending, original: Any) -> Any:
+def _replayed(session: replay.Session, p: Pending) -> Any:
     if p.call is not None:
         return replay.replayed_output(session, p.call, p.key)
     return replay.replayed_ref(session, p.ref) if p.ref is not None else None
