@@ -832,6 +832,45 @@ def test_a_replay_leaves_rng_and_running_stats_as_they_would_have_been():
     assert torch.equal(mean, plain_mean) and torch.equal(count, plain_count) and torch.equal(rng, plain_rng)
 
 
+class OwnNoise(torch.nn.Module):
+    """Draws noise from a generator of its own, and from one it is given (``generator=``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, x, generator=None):
+        h = torch.relu(self.l1(x)) + 0.1 * torch.randn(64, generator=self.gen)
+        return self.l2(h + 0.1 * torch.randn(h.shape, generator=generator))
+
+
+def _noisy_fp16_run(guarded):
+    model, given = OwnNoise(), torch.Generator().manual_seed(7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)  # a calibration streak: replayed at its 3rd skip
+    data = torch.Generator().manual_seed(1)
+    with ampguard.guard() if guarded else contextlib.nullcontext() as g:
+        for _ in range(30):
+            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 1, generator=data)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x, generator=given) - y) ** 2).mean() * 10
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return params, torch.randn(2, generator=model.gen), torch.randn(2, generator=given), g
+
+
+def test_a_replay_in_a_run_that_goes_on_leaves_the_generators_a_call_draws_from_as_they_were():
+    plain = _noisy_fp16_run(False)
+    guarded = _noisy_fp16_run(True)
+    assert guarded[3].stats.optimizer_steps_skipped >= 3 and guarded[3].stats.optimizer_steps_applied > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain[:3], guarded[:3], strict=True))
+
+
 class CountsAndKeeps(torch.nn.Module):
     """Counts its calls and keeps what it computed, as a forward that logs attention maps does."""
 

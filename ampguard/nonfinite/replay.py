@@ -344,6 +344,12 @@ def untouched(window: list) -> Iterator[None]:
     modules = {id(m): m for root in roots.values() for m in root.modules()}
     attributes = [(vars(m), dict(vars(m))) for m in modules.values()]
     cpu = torch.default_generator.get_state()
+    # A generator of the model's own (noise drawn with generator=self.gen) or given to a call: the replay draws from it
+    # too, and a run that goes on (check_unscaled_after's replay) drew other numbers from it afterwards.
+    generators = {id(v): v for _, now in attributes for v in now.values() if type(v) is torch.Generator}
+    generators.update((id(v), v) for c in window if type(c) is Call for v in (*_flat(c.args), *_flat(c.kwargs))
+                      if type(v) is torch.Generator)
+    generator_states = [(gen, gen.get_state()) for gen in generators.values()]
     cuda = None
     if torch.cuda.is_initialized():
         cuda = [g.get_state() for g in torch.cuda.default_generators]
@@ -382,6 +388,13 @@ def untouched(window: list) -> Iterator[None]:
         if cuda is not None:
             for g, state in zip(torch.cuda.default_generators, cuda, strict=False):
                 g.set_state(state)
+        for gen, state in generator_states:
+            gen.set_state(state)
+
+
+def _flat(value: Any) -> tuple:
+    """The items of a recorded call's arguments (a tuple or a dict), one level down."""
+    return tuple(value.values()) if isinstance(value, dict) else tuple(value or ())
 
 
 _CALL_IMPL: Any = None
