@@ -2,8 +2,10 @@
 
 import contextlib
 import gc
+import random
 import warnings
 
+import numpy
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -843,11 +845,14 @@ class OwnNoise(torch.nn.Module):
 
     def forward(self, x, generator=None):
         h = torch.relu(self.l1(x)) + 0.1 * torch.randn(64, generator=self.gen)
+        h = h * (1 + 0.01 * random.random()) * (1 + 0.01 * numpy.random.rand())  # Python's and NumPy's RNGs too
         return self.l2(h + 0.1 * torch.randn(h.shape, generator=generator))
 
 
 def _noisy_fp16_run(guarded):
     model, given = OwnNoise(), torch.Generator().manual_seed(7)
+    random.seed(0)
+    numpy.random.seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)  # a calibration streak: replayed at its 3rd skip
     data = torch.Generator().manual_seed(1)
@@ -861,7 +866,8 @@ def _noisy_fp16_run(guarded):
             scaler.step(opt)
             scaler.update()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return params, torch.randn(2, generator=model.gen), torch.randn(2, generator=given), g
+    return params, torch.randn(2, generator=model.gen), torch.randn(2, generator=given), g, random.random(), \
+        numpy.random.rand()
 
 
 def test_a_replay_in_a_run_that_goes_on_leaves_the_generators_a_call_draws_from_as_they_were():
@@ -869,6 +875,7 @@ def test_a_replay_in_a_run_that_goes_on_leaves_the_generators_a_call_draws_from_
     guarded = _noisy_fp16_run(True)
     assert guarded[3].stats.optimizer_steps_skipped >= 3 and guarded[3].stats.optimizer_steps_applied > 0
     assert all(torch.equal(a, b) for a, b in zip(plain[:3], guarded[:3], strict=True))
+    assert plain[4:] == guarded[4:]
 
 
 class CountsAndKeeps(torch.nn.Module):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import re
 import sys
 import warnings
@@ -350,6 +351,9 @@ def untouched(window: list) -> Iterator[None]:
     generators.update((id(v), v) for c in window if type(c) is Call for v in (*_flat(c.args), *_flat(c.kwargs))
                       if type(v) is torch.Generator)
     generator_states = [(gen, gen.get_state()) for gen in generators.values()]
+    python_rng = random.getstate()  # (a forward that draws with Python's or NumPy's global RNG: random.random())
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
     cuda = None
     if torch.cuda.is_initialized():
         cuda = [g.get_state() for g in torch.cuda.default_generators]
@@ -390,6 +394,9 @@ def untouched(window: list) -> Iterator[None]:
                 g.set_state(state)
         for gen, state in generator_states:
             gen.set_state(state)
+        random.setstate(python_rng)
+        if numpy_rng is not None:
+            numpy.random.set_state(numpy_rng)
 
 
 def _flat(value: Any) -> tuple:
