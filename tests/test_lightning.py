@@ -116,6 +116,47 @@ def scaler_plugin(L, init_scale=2.0**16):
     return precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
 
 
+def test_a_calibration_streaks_replay_of_training_step_leaves_its_metrics_and_the_users_log_as_they_were(L):
+    """check_unscaled_after replays training_step at a GradScaler streak's 3rd skip, in a fit that goes on: the
+    metrics it updates count each batch once, and code that logs can tell the replay (ampguard.replaying())."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Measured(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.mean, self.mse = torchmetrics.MeanMetric(), torchmetrics.MeanSquaredError()
+            self.held = {"mae": torchmetrics.MeanAbsoluteError()}  # a plain dict: no submodule, called all the same
+            self.seen, self.replays = [], []  # (a count in an int attribute: a replay puts attributes back)
+
+        def training_step(self, batch, batch_idx):
+            out = self.layer(batch[0])
+            self.mean.update(out.detach().mean())  # update()
+            self.mse(out.detach(), torch.zeros_like(out))  # forward
+            self.held["mae"](out.detach(), torch.zeros_like(out))
+            if ampguard.replaying():
+                self.replays.append(batch_idx)
+            else:
+                self.seen.append(batch_idx)
+            return out.pow(2).mean() * 1e3
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    def run(guarded):
+        model = Measured()
+        with ampguard.guard() if guarded else contextlib.nullcontext() as g:
+            fit(L, model, plugins=[scaler_plugin(L, init_scale=2.0**40)])
+        values = [float(m.compute()) for m in (model.mean, model.mse, model.held["mae"])]
+        return (values, model.seen), model.replays, g
+
+    plain, _, _ = run(False)
+    guarded, replays, g = run(True)
+    assert g.stats.optimizer_steps_skipped >= 3 and replays
+    assert guarded == plain
+
+
 def test_seed_warmup_override_without_closure_trains(L):
     Model = module_class(L, warmup_step)  # defined before install()
     g = ampguard.install()

@@ -344,6 +344,8 @@ def untouched(window: list) -> Iterator[None]:
     saved = [(b, b.detach().clone()) for m in roots.values() for b in m.buffers()]
     modules = {id(m): m for root in roots.values() for m in root.modules()}
     attributes = [(vars(m), dict(vars(m))) for m in modules.values()]
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)  # its state: tensors and lists it updates
+    metrics = [sinks.kept(m) for m in modules.values() if metric is not None and isinstance(m, metric)]
     cpu = torch.default_generator.get_state()
     # A generator of the model's own (noise drawn with generator=self.gen) or given to a call: the replay draws from it
     # too, and a run that goes on (check_unscaled_after's replay) drew other numbers from it afterwards.
@@ -384,6 +386,8 @@ def untouched(window: list) -> Iterator[None]:
             for name, value in before.items():
                 if now.get(name, _MISSING) is not value:
                     now[name] = value
+        for restore in metrics:
+            restore()
         with torch.no_grad():
             for b, copy in saved:
                 if b.shape == copy.shape:
