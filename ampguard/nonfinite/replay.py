@@ -330,9 +330,6 @@ def _eager_advice(gain: str) -> str:
 
 
 # -- running the window ----------------------------------------------------------------------
-_MISSING = object()
-
-
 @contextlib.contextmanager
 def untouched(window: list) -> Iterator[None]:
     """Buffers, the modules' own attributes and RNG states exactly as they were afterwards; the normal path stands
@@ -343,13 +340,12 @@ def untouched(window: list) -> Iterator[None]:
     roots = {id(m): m for m in (c.module for c in window if type(c) is Call) if m is not None}
     saved = [(b, b.detach().clone()) for m in roots.values() for b in m.buffers()]
     modules = {id(m): m for root in roots.values() for m in root.modules()}
-    attributes = [(vars(m), dict(vars(m))) for m in modules.values()]
     metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)  # its state: tensors and lists it updates
-    metrics = [sinks.kept(m) for m in modules.values() if metric is not None and isinstance(m, metric)]
+    attributes = [sinks.kept(m, metric is not None and isinstance(m, metric)) for m in modules.values()]
     cpu = torch.default_generator.get_state()
     # A generator of the model's own (noise drawn with generator=self.gen) or given to a call: the replay draws from it
     # too, and a run that goes on (check_unscaled_after's replay) drew other numbers from it afterwards.
-    generators = {id(v): v for _, now in attributes for v in now.values() if type(v) is torch.Generator}
+    generators = {id(v): v for m in modules.values() for v in vars(m).values() if type(v) is torch.Generator}
     generators.update((id(v), v) for c in window if type(c) is Call for v in (*_flat(c.args), *_flat(c.kwargs))
                       if type(v) is torch.Generator)
     generator_states = [(gen, gen.get_state()) for gen in generators.values()]
@@ -380,13 +376,7 @@ def untouched(window: list) -> Iterator[None]:
         _guard._replays[0] -= 1
         T.replay_root = outer_root
         torch.set_autocast_cache_enabled(cache)
-        for now, before in attributes:
-            for name in [name for name in now if name not in before]:
-                del now[name]
-            for name, value in before.items():
-                if now.get(name, _MISSING) is not value:
-                    now[name] = value
-        for restore in metrics:
+        for restore in attributes:
             restore()
         with torch.no_grad():
             for b, copy in saved:

@@ -1585,22 +1585,28 @@ def _state_kept(metric: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         restore()
 
 
-def kept(obj: Any) -> Callable[[], None]:
-    """A function that puts ``obj``'s attributes back as they are now: the same objects, a tensor's values where
-    it was written in place, a list's items where it was appended to (a torchmetrics metric's state)."""
+_MISSING = object()
+
+
+def kept(obj: Any, values: bool = True) -> Callable[[], None]:
+    """A function that puts ``obj``'s attributes back as they are now: the same objects, and with ``values`` a
+    tensor's values where it was written in place, a list's items where it was appended to (a torchmetrics metric's
+    state). Without, tensors are not copied: a module that keeps an activation (``self.last = h``) costs no copy."""
     state = vars(obj)
-    saved = {k: (v, v.detach().clone() if isinstance(v, _Tensor) else list(v) if type(v) is list else None)
-             for k, v in state.items()}
+    saved = {k: (v, (v._version, v.detach().clone()) if isinstance(v, _Tensor) else list(v) if type(v) is list
+                 else None) if values else (v, None) for k, v in state.items()}
 
     def restore() -> None:
         for k in [k for k in state if k not in saved]:
             del state[k]
-        with _torch.no_grad():
-            for k, (v, copy) in saved.items():
-                if isinstance(v, _Tensor) and v.shape == copy.shape:
-                    v.copy_(copy)
-                elif type(v) is list:
+        for k, (v, copy) in saved.items():
+            if copy is not None:
+                if type(copy) is list:
                     v[:] = copy
+                elif v._version != copy[0] and v.shape == copy[1].shape:
+                    with _torch.no_grad():
+                        v.copy_(copy[1])
+            if state.get(k, _MISSING) is not v:
                 state[k] = v
 
     return restore
