@@ -78,7 +78,7 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     """Count, explain and raise (or warn once per sink and module) for the failed sink ``p``."""
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
     g.stats.nonfinite_detected += 1
-    window, losses, transformed = T.window, T.losses, T.transformed
+    window, losses, transformed, penalty = T.window, T.losses, T.transformed, T.penalty
     T.pending = [q for q in T.pending if q.guard is not g]
     sinks._clear_window()
     # (the class held weakly: a set that lasts as long as the guard would keep it, and with it the globals of the
@@ -103,9 +103,9 @@ def fail(g: _guard.Guard, p: Pending) -> None:
     if T.late and p.call is None and p.params is None and type(p) is not sinks.Found:
         error.add_line(_LATE_CLEARED if T.cleared else _LATE)
     T.cleared = False
-    if p.penalty is not None:
+    if penalty is not None and p.ref is not None:  # (a loss, in a window with a gradient penalty)
         try:
-            line = _applied_all_the_same(g, p, window)
+            line = _applied_all_the_same(g, p, penalty, window)
         except Exception as exc:  # (the failure path's replay: the error goes out as it is)
             log.debug("ampguard: the replay of a gradient penalty's loss failed", exc_info=exc)
             line = None
@@ -298,15 +298,17 @@ _FUSED = ("  (Replayed at the dispatch level only: under torch-function naming t
           "torch's fused fast path ran in the original call and its slow path in that replay.)")
 
 
-def scale_overflow(g: _guard.Guard, p: Pending, window: list) -> bool:
-    """Whether the non-finite loss ``p``, made after gradients were taken of a value a GradScaler scaled (the AMP
-    recipe for a gradient penalty: ``torch.autograd.grad(scaler.scale(out), ..., create_graph=True)``), is those
+def scale_overflow(g: _guard.Guard, p: Pending, penalty: tuple, window: list) -> bool:
+    """Whether the non-finite loss ``p``, in a window whose loss code took gradients of a value a GradScaler scaled
+    (``penalty``: sinks._Thread.penalty; the AMP recipe for a gradient penalty:
+    ``torch.autograd.grad(scaler.scale(out), ..., create_graph=True)``), is those
     scaled gradients' overflow: the scaler skips this step, and the loss is finite when what the loss code took from
     them is (a replay with that replaced), or the replay cannot tell (the penalty's values were freed). That is
     GradScaler's business, as without ampguard: the scale backs off and the run goes on, and a streak of them meets
     max_consecutive_skips. A NaN that is there without the penalty (log(0) in the loss, the data, a parameter) is
-    raised as always. Failure path only."""
-    scaler, keys = p.penalty
+    raised as always, as is a loss the penalty did not reach (the critic's output given to scale() for the penalty's
+    own gradients). Failure path only."""
+    scaler, keys = penalty
     if _skips(scaler) is False:
         return False  # (the step is applied: see _applied_all_the_same)
     if g.options.trace != "off":
@@ -335,12 +337,12 @@ def _skips(scaler: Any) -> bool | None:
     return any(bool(f.item()) for f in found) if found else None
 
 
-def _applied_all_the_same(g: _guard.Guard, p: Pending, window: list) -> str | None:
+def _applied_all_the_same(g: _guard.Guard, p: Pending, penalty: tuple, window: list) -> str | None:
     """The line for a loss that a gradient penalty of scaled gradients made non-finite (see scale_overflow) at a
     step GradScaler applied: where the penalty's value is inf its gradient vanishes (through a sqrt or a norm), so
     the gradients stay finite, GradScaler neither skips nor backs off, and the penalty stops training without a
     sign. None where that is not what happened."""
-    scaler, keys = p.penalty
+    scaler, keys = penalty
     if g.options.trace == "off" or _skips(scaler) is not False:
         return None
     if sinks.outside_compile(_without_penalty)(p, window, keys) is not True:

@@ -174,12 +174,12 @@ class TapeOp:
 class Pending:
     """A sink waiting for the next shared read."""
 
-    __slots__ = ("_sink", "call", "guard", "key", "nan_only", "optimizer", "params", "parts", "penalty", "ref",
-                 "status", "tensor")
+    __slots__ = ("_sink", "call", "guard", "key", "nan_only", "optimizer", "params", "parts", "ref", "status",
+                 "tensor")
 
     def __init__(self, guard: Any, sink: Any, nan_only: bool, parts: list, tensor: Any = None, call: Any = None,
                  params: list | None = None, optimizer: Any = None, key: Any = None, status: Any = None,
-                 ref: Any = None, penalty: tuple | None = None) -> None:
+                 ref: Any = None) -> None:
         self.guard = guard
         self._sink = sink  # a string, a callable that makes it, or None for an output (only a failure needs the words)
         self.nan_only = nan_only
@@ -191,7 +191,6 @@ class Pending:
         self.params = params  # gradient sinks: the parameters checked
         self.optimizer = optimizer  # a weakref to the optimizer
         self.ref = ref  # a loss: the Ref through which the replay finds it
-        self.penalty = penalty  # a loss made after a gradient penalty of scaled gradients: _Thread.penalty
 
     def alive(self) -> list:
         """The parts, with each weakly held one resolved (None where the user dropped it)."""
@@ -237,8 +236,8 @@ class _Thread:
         self.stepping = False  # the window holds a train-mode call with grad: a step is under way (_new_batch)
         self.losses: list = []  # Refs of the losses given to backward since the last read
         self.scaled: dict[int, tuple] = {}  # id(scaled loss) -> (weakref, scaler): its backward is its loss's sink
-        # (the GradScaler, keys of the gradients' nodes): this step's loss code took gradients of a value that scaler
-        # scaled, with create_graph (a gradient penalty); see failure.scale_overflow
+        # (the GradScaler, keys of the gradients' nodes): this window's loss code took gradients of a value that
+        # scaler scaled, with create_graph (a gradient penalty); its losses may carry the scale (failure.scale_overflow)
         self.penalty: tuple | None = None
         self.scale_bound = False  # the latest read let a loss through as such a penalty's overflow (check_unscaled)
         self.backward_since_read = False
@@ -1352,7 +1351,7 @@ def add_loss(g: _guard.Guard, loss: Any) -> None:
         part = loss.detach()  # a scalar, without its graph: its 2-norm is its magnitude, exact
     else:
         part = weakref.ref(loss)  # read if still held; its gradients are checked in any case
-    t.pending.append(Pending(g, "loss", False, [part], part, ref=ref, penalty=t.penalty))
+    t.pending.append(Pending(g, "loss", False, [part], part, ref=ref))
 
 
 def _backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -2050,7 +2049,7 @@ def _consume(values: list[float]) -> None:
     failed = None
     for p, at in layout:
         if _failed(p, [values[i] if i >= 0 else values[n + ~i] for i in at]):
-            if p.penalty is not None and _failure.scale_overflow(g, p, t.window):
+            if t.penalty is not None and p.ref is not None and _failure.scale_overflow(g, p, t.penalty, t.window):
                 t.scale_bound = True  # the scaled gradients' overflow: GradScaler skips the step, as without ampguard
                 continue
             if failed is None or _made_at(p) < _made_at(failed):
