@@ -1821,6 +1821,27 @@ def test_an_inf_at_a_singularity_is_not_called_an_overflow():
         assert ("of finite values is ±Inf where its divisor is 0" in message) == divided_by_0, message
 
 
+def test_a_derivative_that_is_inf_at_0_inside_autograd_grad_is_called_so_not_a_division_of_the_users():
+    """A physics-informed loss takes du/dx with torch.autograd.grad(create_graph=True): sqrt's derivative at x = 0 is a
+    division by 0 inside it, which the user never wrote. The points are made in the loss code, after the first model
+    call, and marked requires_grad_() there: the replay needs that too, or its autograd.grad fails."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def loss_of(out):
+        x = torch.rand(8, 1)
+        x[0] = 0.0
+        x.requires_grad_(True)
+        u = net(x) * torch.sqrt(x)  # a boundary term: a second model call on points made here
+        du = torch.autograd.grad(u, x, grad_outputs=torch.ones_like(u), create_graph=True)[0]
+        return out.pow(2).mean() + ((du - 1) ** 2).mean()
+
+    _, message = _error_of_a_step(loss_of)
+    assert "created by aten.div inside torch.autograd.grad (inputs finite, output " in message, message
+    assert "Inside torch.autograd.grad this division is a derivative's" in message, message
+    assert "divisor is 0" not in message, message
+
+
 def test_a_square_or_a_quotient_that_passes_float32_is_called_an_overflow():
     """pow and div have a singularity at 0, but with no 0 among their inputs their Inf is an overflow (a hand-written
     squared error of a diverged prediction)."""

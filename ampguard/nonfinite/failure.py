@@ -673,6 +673,9 @@ _DIVISIONS = frozenset(("div", "divide", "true_divide", "reciprocal", "rsqrt"))
 _DIVIDED_BY_0 = ("  A division (or a reciprocal) of finite values is ±Inf where its divisor is 0: a difference of "
                  "equal values, a count or a norm that is 0, a std of a constant. Add eps to the divisor (keeping its "
                  "sign), or clamp it (min=eps) where it is never negative.")
+_DERIVATIVE_AT_0 = ("  Inside torch.autograd.grad this division is a derivative's: sqrt, a power below 1 or a norm has "
+                    "an infinite derivative at 0 (d/dx sqrt(x) = 1 / (2 sqrt(x))). Keep that op's input away from 0 "
+                    "(sqrt(x + eps)), or leave the points where it is 0 out of the derivative.")
 # singular away from 0 (atanh(1)), or where a matrix is (logdet, an inverse or a solve of a singular one)
 _SINGULAR = re.compile(r"\w*log\w*|atanh|arctanh|digamma|lgamma|polygamma|mvlgamma|tan|erfinv|special_\w+|"
                        r"\w*inv\w*|\w*solve\w*")
@@ -686,8 +689,8 @@ def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> lis
     limit = report._LIMITS.get(str(rec.dtype))
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
-    if singular and op in _DIVISIONS and "nan" not in rec.kinds:
-        return [_DIVIDED_BY_0]  # (a 0/0 is NaN, with advice of its own)
+    if singular and op in _DIVISIONS and "nan" not in rec.kinds:  # (a 0/0 is NaN, with advice of its own)
+        return [_DERIVATIVE_AT_0 if "torch.autograd.grad" in label else _DIVIDED_BY_0]
     if not rec.largest or limit is None or singular or not any(amax for _, _, amax, _ in rec.largest):
         return []  # (from inputs that are all 0, no result can pass a dtype's largest value)
     dtype = str(rec.dtype).removeprefix("torch.")

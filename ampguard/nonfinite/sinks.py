@@ -81,9 +81,11 @@ _any_autocast: Any = None
 _PY_FUNCTION = type(lambda: None)  # a torch function written in Python (F.cross_entropy): its own frames warn
 _SKIP_NAMES = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "item", "tolist", "__repr__", "__format__", "__bool__",
-    "__len__", "backward", "register_hook", "requires_grad_", "data_ptr", "stride", "is_floating_point",
+    "__len__", "backward", "register_hook", "data_ptr", "stride", "is_floating_point",
     "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "numpy",
 })
+# (requires_grad_ is recorded: a tensor made in the loss code and differentiated there, x.requires_grad_() before a
+# physics-informed loss's torch.autograd.grad(u, x), needs it in the replay too.)
 # The tensor properties (read through "__get__", as .shape and .grad are) that compute a tensor from the one they are
 # read on, as an op does: CLIP's loss is cross_entropy(logits.T, target). The loss code's record keeps them, so that
 # the replay re-creates what they return (the user keeps no reference to a `logits.T`: unrecorded, it is freed
