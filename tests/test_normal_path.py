@@ -220,6 +220,26 @@ def test_a_dropped_output_is_freed_before_backward():
     opt.step()
 
 
+@pytest.mark.parametrize("detached", [lambda t: t.detach(), lambda t: t.data])
+def test_a_detached_output_that_a_metric_of_the_loss_code_used_is_freed_before_backward(detached):
+    """A confidence logged from logits.detach() (or .data): what it returns has no history, and the record kept such an
+    argument as data until the read, with the logits' memory, through backward."""
+    ampguard.install()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logits = model(torch.randn(4, 8))
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 0, 1]))
+    probs = detached(logits)
+    confidence = probs.softmax(-1).amax(-1).mean()
+    ref = weakref.ref(probs)
+    del logits, probs
+    gc.collect()
+    assert ref() is None
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(confidence)
+
+
 @pytest.mark.parametrize("trained", [True, False])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_model_evaluated_and_dropped_is_freed_when_the_user_drops_it(read_path, trained, mode):

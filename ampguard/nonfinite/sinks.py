@@ -82,15 +82,17 @@ _PY_FUNCTION = type(lambda: None)  # a torch function written in Python (F.cross
 _SKIP_NAMES = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "item", "tolist", "__repr__", "__format__", "__bool__",
     "__len__", "backward", "register_hook", "data_ptr", "stride", "is_floating_point",
-    "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "detach", "numpy",
+    "element_size", "is_contiguous", "storage_offset", "__hash__", "__eq__", "numpy",
 })
 # (requires_grad_ is recorded: a tensor made in the loss code and differentiated there, x.requires_grad_() before a
-# physics-informed loss's torch.autograd.grad(u, x), needs it in the replay too.)
+# physics-informed loss's torch.autograd.grad(u, x), needs it in the replay too. So is detach(), and .data below: what
+# they return has no history, and an argument without history that no record made is kept as data until the read. A
+# metric taken of logits.detach() kept the logits alive through backward, some 400 MB on a 50k vocabulary.)
 # The tensor properties (read through "__get__", as .shape and .grad are) that compute a tensor from the one they are
 # read on, as an op does: CLIP's loss is cross_entropy(logits.T, target). The loss code's record keeps them, so that
 # the replay re-creates what they return (the user keeps no reference to a `logits.T`: unrecorded, it is freed
 # before the check and the loss cannot be replayed).
-_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # Ops that hand out memory without writing it (FSDP's all-gather buffers, a preallocated output): whatever bits it
 # held, NaN among them, were made by no op. Neither trace='eager' nor a replay judges what they return.
 UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted",
