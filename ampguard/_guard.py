@@ -283,6 +283,13 @@ def _installed_changed() -> None:
 
 
 _replays = [0]  # replays running now, in any thread (a replay's backward runs hooks in autograd's device threads)
+_replays_lock = threading.Lock()  # (two threads' replays at once: a lost update would leave replaying() true)
+
+
+def replay_counted(delta: int) -> None:
+    """A replay begins (+1) or ends (-1)."""
+    with _replays_lock:
+        _replays[0] += delta
 
 
 def replaying() -> bool:

@@ -365,7 +365,7 @@ def untouched(window: list) -> Iterator[None]:
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     T.replaying += 1
-    _guard._replays[0] += 1
+    _guard.replay_counted(1)
     outer_root, T.replay_root = T.replay_root, None
     try:
         with stance, warnings.catch_warnings():
@@ -373,7 +373,7 @@ def untouched(window: list) -> Iterator[None]:
             yield
     finally:
         T.replaying -= 1
-        _guard._replays[0] -= 1
+        _guard.replay_counted(-1)
         T.replay_root = outer_root
         torch.set_autocast_cache_enabled(cache)
         for restore in attributes:
