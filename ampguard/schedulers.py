@@ -334,10 +334,9 @@ def _resolve(g: Guard, scaler: Any, record: ScalerRecord, extra: Any = None, fai
         # agree. (In a distributed run every rank replays both, as the verdicts are gathered alike on every rank.)
         confirm = streak > after and record.unscaled_finite_at == [None]
         unscaled = streak == after or confirm or ranks is not None
-        sinks = sys.modules.get("ampguard.nonfinite.sinks") if unscaled else None
-        if unscaled:
+        sinks = sys.modules.get("ampguard.nonfinite.sinks")
+        if unscaled and sinks is not None:
             record.unscaled_finite_at = []
-        if sinks is not None:
             judge = functools.partial(sinks.check_unscaled, g, settle, streak, scale=record.iteration_scale,
                                       lowest=_lowest_scale(g, scaler, record.iteration_scale, streak),
                                       finite_at=record.unscaled_finite_at, confirmed=confirm)  # (settles first)
