@@ -307,7 +307,8 @@ def scale_overflow(g: _guard.Guard, p: Pending, penalty: tuple, window: list) ->
     GradScaler's business, as without ampguard: the scale backs off and the run goes on, and a streak of them meets
     max_consecutive_skips. A NaN that is there without the penalty (log(0) in the loss, the data, a parameter) is
     raised as always, as is a loss the penalty did not reach (the critic's output given to scale() for the penalty's
-    own gradients). Failure path only."""
+    own gradients). Where it is the overflow, it is counted (stats.penalty_overflows, and the scaler's streak for a
+    collapse's message). Failure path only."""
     scaler, keys = penalty
     if _skips(scaler) is False:
         return False  # (the step is applied: see _applied_all_the_same)

@@ -243,7 +243,6 @@ class _Thread:
         # (the GradScaler, keys of the gradients' nodes): this window's loss code took gradients of a value that
         # scaler scaled, with create_graph (a gradient penalty); its losses may carry the scale (failure.scale_overflow)
         self.penalty: tuple | None = None
-        self.scale_bound = False  # the latest read let a loss through as such a penalty's overflow (check_unscaled)
         self.backward_since_read = False
         self.released = 0  # window events before this one hold their data weakly (a step's earlier micro-batches)
         self.late = False  # the read in progress is at a module call, not at a step (a failure says so)
@@ -2054,8 +2053,7 @@ def _consume(values: list[float]) -> None:
     for p, at in layout:
         if _failed(p, [values[i] if i >= 0 else values[n + ~i] for i in at]):
             if t.penalty is not None and p.ref is not None and _failure.scale_overflow(g, p, t.penalty, t.window):
-                t.scale_bound = True  # the scaled gradients' overflow: GradScaler skips the step, as without ampguard
-                continue
+                continue  # the scaled gradients' overflow: GradScaler skips the step, as without ampguard
             if failed is None or _made_at(p) < _made_at(failed):
                 failed = p
             if p.call is None:  # a loss or gradient sink (added at backward or the step: after the outputs)
@@ -2135,10 +2133,11 @@ def check_unscaled(g: _guard.Guard, settle: Any, streak: int, scale: float | Non
     __tracebackhide__ = True
     t = _here.state
     window, losses = t.window, t.losses  # a clean read rebinds them to new lists: these stay for the replay
-    t.scale_bound = False
+    penalties = g.stats.penalty_overflows
     settle()  # a non-finite loss is reported as such first, with its forward op
     _clear_window()  # (if nothing of this feature was read, settle() left it)
-    if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window or t.scale_bound:
+    if _guard.current(FEATURE) is not g or g.options.trace == "off" or not window or \
+            g.stats.penalty_overflows != penalties:
         return  # (a loss let through as a gradient penalty's overflow: no replay rescales the penalty, no verdict)
     _failure.unscaled(g, window, losses, streak, scale, lowest, finite_at, confirmed)
 
