@@ -568,7 +568,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         alive = rec.ref()
         lines.append(f"  value: {report.describe_tensor(alive)}" if alive is not None else
                      f"  value: shape {rec.shape}, {rec.dtype}")
-        lines.extend(_overflow(session, names, rec, label))
+        lines.extend(_inf_lines(session, names, rec, label))
     if result["transition"] is not None:
         lines.append(_became(g, window, records[result["transition"]]))
     lines.extend(_masks(session, names, result["masks"]))
@@ -683,10 +683,12 @@ _SINGULAR = re.compile(r"\w*log\w*|atanh|arctanh|digamma|lgamma|polygamma|mvlgam
 _HUGE = 1e9  # an input above this in float32 or bfloat16 is no activation or weight of a healthy run
 
 
-def _overflow(session: replay.Session, names: dict, rec: Any, label: str) -> list[str]:
-    """An op with no singularity (a matmul, a sum, a square) that made ±Inf from finite inputs: its result passed its
-    dtype's largest value. How large its inputs were, and the usual cause (fp16 activations, or a run diverging).
-    (``rec.largest`` is measured only where every input was finite, and no Python number or mask made the Inf.)"""
+def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> list[str]:
+    """Why an op made ±Inf from finite inputs. A division at a divisor of 0 says so (a derivative's, inside
+    torch.autograd.grad). An op with no singularity (a matmul, a sum, a square) overflowed: its result passed its
+    dtype's largest value; how large its inputs were, and the usual cause (fp16 activations, or a run diverging).
+    Other singular ops get no line here. (``rec.largest`` is measured only where every input was finite, and no
+    Python number or mask made the Inf.)"""
     limit = report._LIMITS.get(str(rec.dtype))
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
@@ -983,7 +985,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
                  f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds),
-                 *_overflow(session, _names(g, window), rec, label)]
+                 *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))
