@@ -621,9 +621,13 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
     pad[2] = True
     with pytest.raises(ampguard.NonFiniteError) as info:
         out = model(ids, pad)
-        out[~pad].pow(2).mean().backward()
+        out[~pad].pow(2).mean().backward()  # DROPS THE PADDING
         opt.step()
     message = str(info.value)
+    here = test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not_blamed_on_the_backward
+    dropped = line_of(here, "DROPS THE PADDING")
+    assert f"  Tensor.__getitem__ at {__file__}:{dropped} took that value and returned finite values, so the loss " \
+        "stayed finite; the backward of MmBackward0" in message, message
     assert info.value.sink.startswith("gradient of parameter ") and info.value.module == "attn"
     # The key padding mask's -Inf is all the -Inf the scores hold: the softmax of a fully masked row made the NaN
     assert "The forward made it: aten._softmax inside torch.nn.functional.multi_head_attention_forward created NaN " \
@@ -670,8 +674,36 @@ def test_an_inf_in_the_data_that_a_tanh_hides_from_the_loss_is_named_as_the_data
     assert "an input of aten.addmm inside torch.linear in module 'body'" in message, message
     assert "(inputs finite)" not in message and "The forward made it" not in message
     assert "the backward of AddmmBackward0 met it among the values the forward saved" in message
+    assert f"  torch.tanh at {__file__}:{line_of(Saturating.forward, 'SATURATED')} took that value and returned " \
+        "finite values" in message, message
+    assert "torch.tanh hides it from the loss, not from the backward" in message, message
     assert "the backward pass made it" not in message
     assert "input: shape (4, 6), torch.float32; 0 NaN, 1 +Inf, 0 -Inf of 24 elements" in message, message
+
+
+def test_a_nan_in_the_data_that_nan_to_num_hides_from_the_loss_names_the_nan_to_num_and_its_line():
+    """A NaN feature (log of a negative in preprocessing, in a DataLoader worker, which ampguard leaves alone) and a
+    loss that patches the output with nan_to_num: the loss is finite, the weight's gradient NaN. The message named
+    a saturating op or a mask as the likely hider; the replay knows which op it was."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    x[1, 2] = float("nan")
+    logged = []
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        out = model(x)
+        logged.append(torch.where(torch.isnan(out), 0.0, out).detach().mean())  # (finite, from the NaN, off the path)
+        out.nan_to_num().pow(2).mean().backward()  # PATCHED
+        opt.step()
+    message = str(info.value)
+    patched = line_of(test_a_nan_in_the_data_that_nan_to_num_hides_from_the_loss_names_the_nan_to_num_and_its_line,
+                      "PATCHED")
+    assert "The forward met it: it entered already non-finite (NaN): argument 0 of the call of 'Sequential'" \
+        in message, message
+    assert f"  Tensor.nan_to_num at {__file__}:{patched} took that value and returned finite values, so the loss " \
+        "stayed finite; the backward of AddmmBackward0 met it" in message, message
+    assert "Tensor.nan_to_num hides it from the loss, not from the backward" in message, message
+    assert "torch.where" not in message and "saturat" not in message, message
 
 
 def test_an_inf_parameter_that_a_tanh_hides_from_the_loss_is_named_with_the_step_that_ran_on_it():

@@ -842,6 +842,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
         if loss is None:
             loss = replay.grad_loss(session, window)  # a loop of torch.autograd.grad and .grad = g
         how = []
+        sink = session.producer_of(loss) if loss is not None else None
         if loss is None or loss.grad_fn is None:
             call = next(c for c in reversed(window) if type(c) is Call and c.grad)
             outs = [replay.replayed_output(session, call, k) for _, k in call.outputs]
@@ -870,7 +871,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
         found_kinds.update(found["kinds"])
     made = replay.first_made(session) if found.get("saved") else None
     if made is not None:
-        return _made_in_forward(g, window, session, made, found, how)
+        return _made_in_forward(g, window, session, made, sink, found, how)
     event = session.node_event.get(found["node_id"])
     if g.options.repro_dir is not None and event is not None:
         T.repro_origin = repro.Origin(window, event, None, "backward")
@@ -963,10 +964,11 @@ def _script_at(session: replay.Session, site: tuple | None) -> tuple[torchscript
     return torchscript.scripted([o for rec in records for o in rec.fn.objects]), records[0]
 
 
-def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, made: int, found: dict,
-                     how: list) -> tuple[Any, str | None, Any, list[str]]:
+def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, made: int, sink: int | None,
+                     found: dict, how: list) -> tuple[Any, str | None, Any, list[str]]:
     """The backward node met a non-finite value the forward saved for it: the forward made it (a fully masked
-    attention row, a padded position), and the loss never used it, so the loss is finite. Name that op."""
+    attention row, a padded position), and the loss never used it, so the loss is finite. Name that op, and the ops
+    that kept it from the loss (``sink``: the loss's record)."""
     walked = replay.walk(session, made)
     rec = session.records[walked["origin"]]
     label, op = _label(rec)
@@ -989,16 +991,38 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))
-    if entered is not None:
-        why = "an op that saturates (tanh, a clamp) or a mask kept that value from the loss, so it stayed finite"
-        keep = "Keep the input finite where it comes from: saturating it hides it from the loss, not from the backward"
+    hiders, first = _hiders(session, made, sink) if sink is not None else ("", "")
+    if hiders:
+        why = f"{hiders} took that value and returned finite values, so the loss stayed finite"
+    elif entered is not None:
+        why = "An op that saturates (tanh, a clamp) or a mask kept that value from the loss, so it stayed finite"
     else:
-        why = "the loss did not use that value (a masked, padded or dropped position, say), so it stayed finite"
+        why = "The loss did not use that value (a masked, padded or dropped position, say), so it stayed finite"
+    if entered is not None:
+        keep = f"Keep the input finite where it comes from: {first or 'saturating it'} hides it from the loss, not " \
+            "from the backward"
+    else:
         keep = "Keep the value finite where it is made (a fully masked attention row: mask with a large negative " \
             "number, or give such rows one unmasked key)"
-    lines.append(f"  {why[0].upper()}{why[1:]}; the backward of {node} met it among the values the forward saved, and "
+    lines.append(f"  {why}; the backward of {node} met it among the values the forward saved, and "
                  f"finite gradients times it gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). {keep}.")
     return op, module, report.stack_summary(user) if user else None, [*lines, *_written_inputs(session, True), *how]
+
+
+def _hiders(session: replay.Session, made: int, sink: int) -> tuple[str, str]:
+    """(the ops that kept the value made at ``made`` from the loss, each named once with the user's line that ran it,
+    at most three; the first one's name): ('', '') where the replay saw none (the loss code was not recorded)."""
+    named: dict[str, str] = {}
+    for i in replay.hid(session, made, sink):
+        rec = session.records[i]
+        own, user_site, _ = report.sites(rec.frames, rec.fn)
+        line = user_site or own
+        label = report.op_name(rec.fn) if rec.fn is not None else rec.name  # (the call the user wrote)
+        named.setdefault(label + (f" at {line[0]}:{line[1]}" if line is not None else ""), label)
+    if not named:
+        return "", ""
+    shown = list(named)[:3] + ([f"{len(named) - 3} more"] if len(named) > 3 else [])
+    return (shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"), next(iter(named.values()))
 
 
 def _hooked(g: _guard.Guard, window: list, found: dict, how: list) -> tuple[Any, None, Any, list[str]]:

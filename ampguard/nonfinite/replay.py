@@ -876,6 +876,29 @@ def first_made(session: Session) -> int | None:
     return next((i for i, rec in enumerate(session.records) if rec.kinds - {"-inf"}), None)
 
 
+def hid(session: Session, start: int, sink: int) -> list[int]:
+    """The replayed ops on the sink's path that took the non-finite value made at ``start`` (or one made from it) and
+    returned finite values: ``nan_to_num``, ``torch.where``, a boolean index, a saturating ``tanh``. They are why the
+    sink stayed finite while the backward met the value. Failure path."""
+    records = session.records
+    on_path, stack = set(), [sink]
+    while stack:
+        i = stack.pop()
+        if i not in on_path:
+            on_path.add(i)
+            stack.extend(records[i].inputs)
+    carried, found = {start}, []
+    for i in range(start + 1, sink + 1):
+        rec = records[i]
+        if not any(j in carried for j in rec.inputs):
+            continue
+        if rec.kinds:
+            carried.add(i)
+        elif i in on_path and (rec.dtype.is_floating_point or rec.dtype.is_complex):  # (isnan's mask hides nothing)
+            found.append(i)
+    return found
+
+
 def _nodes(root: Any) -> list:
     out, stack, seen = [], [root], set()
     while stack:
