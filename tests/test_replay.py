@@ -1675,6 +1675,41 @@ def test_a_cross_entropy_whose_targets_are_all_ignored_names_the_empty_mean(trac
     assert "a batch whose targets are all ignored (all padding), or whose classes all weigh 0, is 0/0" in message
 
 
+class MaskedPolicy(torch.nn.Module):
+    """An RL policy with action masking: invalid actions' logits are -inf."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pi = torch.nn.Linear(6, 5)
+
+    def forward(self, obs, valid):
+        return self.pi(obs).masked_fill(~valid, float("-inf"))
+
+
+def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_xlogy():
+    """PPO's entropy bonus written by hand, -(p * log p).sum(-1), over masked logits: p is 0 and log p -Inf at a masked
+    action, and 0 x -Inf is NaN. Categorical.entropy() clamps the logits; the hand-written one does not."""
+    policy = MaskedPolicy()
+    opt = torch.optim.Adam(policy.parameters())
+    valid = torch.ones(4, 5, dtype=torch.bool)
+    with ampguard.guard():
+        for step in range(2):
+            valid[1, 3] = step == 0  # (the second step masks one action)
+            logits = policy(torch.randn(4, 6), valid)
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()  # ENTROPY
+            with pytest.raises(ampguard.NonFiniteError) if step else contextlib.nullcontext() as info:
+                (-0.01 * entropy).backward()
+                opt.step()
+                opt.zero_grad()
+    err, message = info.value, str(info.value)
+    assert err.op == "Tensor.mul" and err.origin[-1].lineno == line_of(
+        test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_xlogy, "ENTROPY"), message
+    assert "It was created by Tensor.mul (inputs finite but for a mask, output NaN)" in message, message
+    assert "A product is NaN only as 0 x ±Inf" in message and "torch.special.xlogy(p, p)" in message, message
+    assert "was not counted as a cause: the mask made by Tensor.masked_fill at " in message, message
+
+
 def _error_of_a_step(loss_of, trace="replay", width=4):
     """The NonFiniteError (and its message) of one SGD step of a Linear(4, width) on 2 rows, whose loss is
     ``loss_of(output)``, under ``guard(trace=trace)``."""
