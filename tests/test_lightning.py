@@ -128,7 +128,7 @@ def test_a_calibration_streaks_replay_of_training_step_leaves_its_metrics_and_th
             self.layer = torch.nn.Linear(4, 1)
             self.mean, self.mse = torchmetrics.MeanMetric(), torchmetrics.MeanSquaredError()
             self.held = {"mae": torchmetrics.MeanAbsoluteError()}  # a plain dict: no submodule, called all the same
-            self.seen, self.replays = [], []  # (a count in an int attribute: a replay puts attributes back)
+            self.seen = []  # (the replay's append is undone: a replay puts the module's lists back)
 
         def training_step(self, batch, batch_idx):
             out = self.layer(batch[0])
@@ -136,7 +136,7 @@ def test_a_calibration_streaks_replay_of_training_step_leaves_its_metrics_and_th
             self.mse(out.detach(), torch.zeros_like(out))  # forward
             self.held["mae"](out.detach(), torch.zeros_like(out))
             if ampguard.replaying():
-                self.replays.append(batch_idx)
+                replays.append(batch_idx)  # (outside the module: what replaying() is for, a logger's effects)
             else:
                 self.seen.append(batch_idx)
             return out.pow(2).mean() * 1e3
@@ -144,12 +144,14 @@ def test_a_calibration_streaks_replay_of_training_step_leaves_its_metrics_and_th
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-4)
 
+    replays = []
+
     def run(guarded):
         model = Measured()
         with ampguard.guard() if guarded else contextlib.nullcontext() as g:
             fit(L, model, plugins=[scaler_plugin(L, init_scale=2.0**40)])
         values = [float(m.compute()) for m in (model.mean, model.mse, model.held["mae"])]
-        return (values, model.seen), model.replays, g
+        return (values, model.seen), list(replays), g
 
     plain, _, _ = run(False)
     guarded, replays, g = run(True)

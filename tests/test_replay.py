@@ -1,5 +1,6 @@
 """Origins found by replay, on the shapes real training code has (issue 10's ten cases and the replay's rules)."""
 
+import collections
 import contextlib
 import gc
 import random
@@ -918,17 +919,26 @@ class CountsAndKeeps(torch.nn.Module):
         torch.manual_seed(0)
         self.proj = torch.nn.Linear(4, 4)
         self.calls = 0
+        self.maps = []  # attention maps kept for a plot
+        self.seen = {"rows": 0}  # a curriculum's count
+        self.recent = collections.deque(maxlen=2)
+        self.shapes = set()
 
     def forward(self, x):
         self.calls += 1
         h = self.proj(x)
         self.last = h
+        self.maps.append(h)
+        self.seen["rows"] += len(x)
+        self.recent.append(h)
+        self.shapes.add(("replayed",) if ampguard.replaying() else tuple(x.shape))
         return h.log()  # NaN where h < 0
 
 
 def test_a_replay_leaves_the_modules_attributes_as_the_users_forward_left_them():
     """Under nonfinite='warn' the run goes on after a replay: the replay's call is not counted, and the module keeps
-    the user's tensor, not the replay's (with its graph)."""
+    the user's tensor, not the replay's (with its graph). Its lists, dicts, deques and sets hold what the user's
+    call put there: the replay's call appended and counted into them too."""
     model = CountsAndKeeps()
     with ampguard.guard(nonfinite="warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -938,6 +948,10 @@ def test_a_replay_leaves_the_modules_attributes_as_the_users_forward_left_them()
         nonfinite.check()
     assert any("created by Tensor.log" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert model.calls == 1 and model.last is kept
+    assert len(model.maps) == 1 and model.maps[0] is kept, model.maps
+    assert model.seen == {"rows": 3} and list(model.recent) == [kept] and model.recent.maxlen == 2
+    assert model.shapes == {(3, 4)}
+    assert model._forward_hooks == {} and dict(model.proj.named_parameters()).keys() == {"weight", "bias"}
 
 
 def _temperature_hook(module, inputs, output):

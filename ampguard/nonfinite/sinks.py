@@ -39,6 +39,7 @@ to its guard.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -1591,27 +1592,55 @@ _MISSING = object()
 
 
 def kept(obj: Any, values: bool = True) -> Callable[[], None]:
-    """A function that puts ``obj``'s attributes back as they are now: the same objects, and with ``values`` a
-    tensor's values where it was written in place, a list's items where it was appended to (a torchmetrics metric's
-    state). Without, tensors are not copied: a module that keeps an activation (``self.last = h``) costs no copy."""
+    """A function that puts ``obj``'s attributes back as they are now: the same objects; the items of its lists,
+    dicts, sets and deques (a forward that appends to ``self.history``, counts in ``self.stats["seen"]``, or a
+    torchmetrics metric's list state), one level deep; and with ``values`` a tensor's values where it was written in
+    place. Without, tensors are not copied: a module that keeps an activation (``self.last = h``) costs no copy.
+    nn.Module's own dicts (parameters, buffers, hooks) are left to torch."""
     state = vars(obj)
-    saved = {k: (v, (v._version, v.detach().clone()) if isinstance(v, _Tensor) else list(v) if type(v) is list
-                 else None) if values else (v, None) for k, v in state.items()}
+    own = _module_own() if isinstance(obj, _torch.nn.Module) else frozenset()
+    saved = {}
+    for k, v in state.items():
+        if isinstance(v, _CONTAINERS) and k not in own:
+            saved[k] = (v, list(v.items()) if isinstance(v, dict) else list(v))
+        elif values and isinstance(v, _Tensor):
+            saved[k] = (v, (v._version, v.detach().clone()))
+        else:
+            saved[k] = (v, None)
 
     def restore() -> None:
         for k in [k for k in state if k not in saved]:
             del state[k]
         for k, (v, copy) in saved.items():
-            if copy is not None:
-                if type(copy) is list:
-                    v[:] = copy
-                elif v._version != copy[0] and v.shape == copy[1].shape:
-                    with _torch.no_grad():
-                        v.copy_(copy[1])
+            if type(copy) is list:
+                if isinstance(v, dict):
+                    if len(v) != len(copy) or any(v.get(key, _MISSING) is not item for key, item in copy):
+                        v.clear()
+                        v.update(copy)
+                elif isinstance(v, list):
+                    if len(v) != len(copy) or any(a is not b for a, b in zip(v, copy, strict=True)):
+                        v[:] = copy
+                else:  # (a set, a deque: their maxlen and kind stay)
+                    v.clear()
+                    v.update(copy) if isinstance(v, set) else v.extend(copy)
+            elif copy is not None and v._version != copy[0] and v.shape == copy[1].shape:
+                with _torch.no_grad():
+                    v.copy_(copy[1])
             if state.get(k, _MISSING) is not v:
                 state[k] = v
 
     return restore
+
+
+_CONTAINERS = (list, dict, set, collections.deque)
+_OWN: list = []
+
+
+def _module_own() -> frozenset:
+    """The attributes every nn.Module has (_parameters, _buffers, _modules, its hook dicts)."""
+    if not _OWN:
+        _OWN.append(frozenset(vars(_torch.nn.Module())))
+    return _OWN[0]
 
 
 def lightnings_own_metric(cls: type, original: Any = None) -> str | None:
