@@ -29,6 +29,10 @@ log = logging.getLogger("ampguard")
 V = TypeVar("V")
 
 _FEATURES = ("schedulers", "closures", "nonfinite", "lint")  # the options that switch a feature on or off
+# Not an option: GradScaler's bookkeeping (its skips counted from found_inf, the one read at update() that the
+# non-finite checks ride on, max_consecutive_skips, check_unscaled_after). On where any of those, or the scheduler
+# hold that follows its counts, is wanted: schedulers=False alone must not switch off the collapse check.
+GRADSCALER = "GradScaler tracking"
 
 
 @dataclasses.dataclass
@@ -171,7 +175,15 @@ class Guard:
 
     def _refresh(self) -> None:
         # The per-op check in current() is one set lookup.
-        self._on = frozenset(f for f in _FEATURES if getattr(self.options, f) not in (False, "off")) - self._disabled
+        options = self.options
+        on = {f for f in _FEATURES if getattr(options, f) not in (False, "off")}
+        if "schedulers" in on or "nonfinite" in on or options.max_consecutive_skips is not None or \
+                options.check_unscaled_after is not None:
+            on.add(GRADSCALER)
+        on -= self._disabled
+        if GRADSCALER not in on:
+            on.discard("schedulers")  # (the hold follows the skips the tracking counts)
+        self._on = frozenset(on)
         if self is _installed:
             _installed_changed()
 

@@ -39,7 +39,8 @@ from ._frames import warn_at_user
 from ._guard import DEPTH, Guard
 from ._patching import REGISTRY, Switch, Target
 
-FEATURE = "schedulers"
+FEATURE = "schedulers"  # the hold of LR schedulers (LRScheduler.step)
+SCALER = _guard.GRADSCALER  # GradScaler's bookkeeping: whatever the schedulers option, when a check needs it
 _SMALLEST_NORMAL_FP32 = 2.0**-126
 
 
@@ -100,7 +101,7 @@ TABLES = _guard.declare_state(FEATURE, _Tables)  # g.states[TABLES]
 
 # -- GradScaler.step -----------------------------------------------------------------------
 def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    g = _guard.current(FEATURE)
+    g = _guard.current(SCALER)
     if g is None or DEPTH.counts.get("scaler.step") or not getattr(instance, "_enabled", False):
         # GradScaler(enabled=False) (the GradScaler(enabled=use_amp) idiom) is no GradScaler: its step()
         # is a plain optimizer step, whose gradients the non-finite check reads before the update.
@@ -110,14 +111,15 @@ def _scaler_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     optimizer = args[0] if args else kwargs.get("optimizer")
     fresh = None
     try:
-        fresh = _fresh_momentum(optimizer)
+        if FEATURE in g._on:  # (documented with the schedulers option)
+            fresh = _fresh_momentum(optimizer)
     except Exception as exc:
-        internal_failure(FEATURE, exc)
+        internal_failure(SCALER, exc)
     result = DEPTH.outermost("scaler.step", wrapped, args, kwargs)
     try:
         _remember_step(g, instance, optimizer, ran.optimizer is optimizer, fresh)
     except Exception as exc:
-        internal_failure(FEATURE, exc)
+        internal_failure(SCALER, exc)
     finally:
         ran.optimizer = None
     return result
@@ -226,7 +228,7 @@ def _remember_step(g: Guard, scaler: Any, optimizer: Any, ran: bool, fresh: list
 # -- GradScaler.update ---------------------------------------------------------------------
 def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True  # pytest shows the user's frames, not ampguard's
-    g = _guard.current(FEATURE)
+    g = _guard.current(SCALER)
     if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
     record = found = None
@@ -240,7 +242,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
-        internal_failure(FEATURE, exc)
+        internal_failure(SCALER, exc)
     result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     if record is not None and record.momentum_undone:
         _say_fresh_momentum_undone(g, record)  # (a warning turned into an error is the user's: raised from here)
@@ -251,7 +253,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         if record is not None and record.next is not None and scale is not None and tracker is not None:
             record.after = (scale, scale._version, tracker, tracker._version)
     except Exception as exc:
-        internal_failure(FEATURE, exc)
+        internal_failure(SCALER, exc)
     return result
 
 
@@ -844,16 +846,16 @@ _SKIPPING = _Skipping()
 def note_nonfinite_skip(g: Guard, optimizer: Any) -> None:
     """nonfinite='skip' runs ``optimizer``'s step() without gradients: a skipped step, as GradScaler's are,
     so its schedulers are held for it."""
-    if _guard.current(FEATURE) is not g:
+    if _guard.current(SCALER) is not g:
         return
     g.states[TABLES].optimizers.of(optimizer).skipped += 1
     _SKIPPING.optimizer = optimizer
 
 
-@fail_safe(FEATURE)
+@fail_safe(SCALER)
 def _optimizer_post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """A step taken outside GradScaler.step() changed the parameters: count it as applied."""
-    g = _guard.current(FEATURE)
+    g = _guard.current(SCALER)
     if g is None:
         return
     if DEPTH.counts.get("scaler.step"):  # (first: nonfinite='skip' never skips a step a GradScaler decides)
@@ -874,13 +876,13 @@ def _switch_step_counter() -> Any:
     return optim_module.register_optimizer_step_post_hook(_optimizer_post_step).remove
 
 
-REGISTRY.add_switch(Switch("torch", FEATURE, _switch_step_counter, "count optimizer steps taken without a GradScaler"))
+REGISTRY.add_switch(Switch("torch", SCALER, _switch_step_counter, "count optimizer steps taken without a GradScaler"))
 
 for _name, _wrapper, _why in (
     ("step", _scaler_step, "remember which optimizer was stepped and the scaler's found_inf for it"),
     ("update", _scaler_update, "read found_inf before update() consumes it; count skips; detect collapse; take "
      "out the uninitialised momentum a skipped first step of a fused SGD leaves"),
 ):
-    REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why, feature=FEATURE))
+    REGISTRY.add(Target("torch", "torch.amp.grad_scaler:GradScaler", _name, _wrapper, _why, feature=SCALER))
 REGISTRY.add(Target("torch", "torch.optim.lr_scheduler:LRScheduler", "step", _scheduler_step,
                     "hold the step when GradScaler skipped every optimizer step since the last one", feature=FEATURE))

@@ -80,7 +80,9 @@ OPTIONS = {
     "distributed=False": lambda: installed(distributed=False),
     "trace='off'": CONFIGS["trace='off' (sinks only)"],
     "nonfinite='off'": CONFIGS["nonfinite='off'"],
-    "every feature off": lambda: installed(nonfinite="off", lint=False, schedulers=False, closures=False),
+    # (GradScaler's tracking stays on for max_consecutive_skips and check_unscaled_after unless they are None too)
+    "every feature off": lambda: installed(nonfinite="off", lint=False, schedulers=False, closures=False,
+                                           max_consecutive_skips=None, check_unscaled_after=None),
 }
 
 

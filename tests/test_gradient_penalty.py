@@ -7,6 +7,7 @@ import torch
 from loops import line_of
 
 import ampguard
+from ampguard import _guard
 
 
 def critic(seed=0):
@@ -79,11 +80,25 @@ def test_a_gradient_penalty_that_overflows_while_the_scale_calibrates_trains_as_
     assert not [w for w in recwarn if issubclass(w.category, ampguard.AmpGuardWarning)]
 
 
-def test_without_the_scheduler_feature_the_overflow_is_read_after_update_and_still_left_to_gradscaler():
-    # (no read rides on update(): the loss is read at the next model call, once the scaler's iteration has ended)
+def test_without_the_scheduler_hold_the_overflow_is_still_left_to_gradscaler():
     plain = wgan_gp_steps(12, init_scale=2.0 ** 20)
     with ampguard.guard(schedulers=False) as g:
         guarded = wgan_gp_steps(12, init_scale=2.0 ** 20)
+    assert torch.equal(guarded[0], plain[0]) and guarded[1:] == plain[1:]
+    assert g.stats.penalty_overflows == 5 and g.stats.nonfinite_detected == 0
+    assert g.stats.scheduler_steps_held == 0 and g.stats.optimizer_steps_skipped == 7
+
+
+def test_after_a_fault_in_gradscaler_tracking_the_overflow_is_read_after_update_and_still_left_to_gradscaler(
+        monkeypatch):
+    # (no read rides on update(): the loss is read at the next model call, once the scaler's iteration has ended)
+    plain = wgan_gp_steps(12, init_scale=2.0 ** 20)
+    monkeypatch.setattr("ampguard.schedulers._remember_step", lambda *args: 1 / 0)
+    # (schedulers=False: the loop holds its LR itself, as the plain run does)
+    with ampguard.guard(schedulers=False) as g, \
+            pytest.warns(ampguard.AmpGuardWarning, match="internal error in GradScaler tracking"):
+        guarded = wgan_gp_steps(12, init_scale=2.0 ** 20)
+    assert g._disabled == {_guard.GRADSCALER}
     assert torch.equal(guarded[0], plain[0]) and guarded[1:] == plain[1:]
     assert g.stats.penalty_overflows == 5 and g.stats.nonfinite_detected == 0
 

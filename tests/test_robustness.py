@@ -49,10 +49,11 @@ def raise_injected(*args, **kwargs):
 # (the internal function made to fail, the features that use it)
 FAULTS = [
     ("ampguard.schedulers._should_hold", {"schedulers"}),
-    ("ampguard.schedulers._remember_step", {"schedulers"}),
+    # GradScaler's bookkeeping: the scheduler hold follows its counts, so it goes off with it (unwarned: not its fault)
+    ("ampguard.schedulers._remember_step", {_guard.GRADSCALER}),
     # the shared read: both features that read fall back (the device's path: on the CPU the non-finite checks take
     # their values at once, and a step whose gradients are finite leaves nothing for the read)
-    ("ampguard._sync.read", {"schedulers", "nonfinite"}),
+    ("ampguard._sync.read", {_guard.GRADSCALER, "nonfinite"}),
     ("ampguard.nonfinite.sinks._record", {"nonfinite"}),
     ("ampguard.nonfinite.sinks.add_loss", {"nonfinite"}),  # the loss sink (a scalar: no _norms pass here)
     # the outermost call's start and end: the sinks' enter() and exit(), as outermost's hooks hold them
@@ -91,10 +92,12 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
         assert f"internal error in {feature} (RuntimeError: injected fault)" in str(warning.message)
         assert f"{feature} is switched off for the rest of this run" in str(warning.message)
     assert any("injected fault" in r.exc_text for r in caplog.records if r.exc_text)
-    assert g._disabled == features and g._on == {"schedulers", "nonfinite", "lint", "closures"} - features
+    off = features | ({"schedulers"} if _guard.GRADSCALER in features else set())
+    assert g._disabled == features and g._on == {"schedulers", "nonfinite", "lint", "closures", _guard.GRADSCALER} - off
     # every hook's first question answers the same at once: off for these features, the guard for the others
-    assert all(_guard.current(f) is (None if f in features else g) for f in ("schedulers", "nonfinite", "lint"))
-    if "schedulers" in features:
+    assert all(_guard.current(f) is (None if f in off else g) for f in ("schedulers", "nonfinite", "lint",
+                                                                         _guard.GRADSCALER))
+    if "schedulers" in off:
         # the scheduler stepped on skipped steps, as PyTorch does: the plain run exactly
         assert lrs == plain_lrs and all(torch.equal(p, q) for p, q in zip(params, plain_params, strict=True))
     else:

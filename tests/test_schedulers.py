@@ -463,6 +463,18 @@ def test_disabled_option_leaves_schedulers_alone():
     assert any("before `optimizer.step()`" in str(w.message) for w in caught)
 
 
+def test_without_the_hold_gradscalers_skips_are_still_counted_and_a_collapse_still_raised():
+    """schedulers=False switches off the hold alone. GradScaler's bookkeeping went off with it: a run that skipped
+    every step went on past max_consecutive_skips without a word, and the stats counted no skip."""
+    g = ampguard.install(schedulers=False, max_consecutive_skips=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's own scheduler warning: not held
+        with pytest.raises(ampguard.LossScaleCollapseError, match="4 times in a row"):
+            scaled_loop(one_cycle, 10, range(10))  # (every iteration's gradients overflow)
+    assert g.stats.optimizer_steps_skipped == 4 and g.stats.scheduler_steps_held == 0
+    assert g.stats.loss_scale == 65536.0 / 16
+
+
 def test_the_usual_update_taken_without_a_read_keeps_the_scalers_scale_and_the_schedule(monkeypatch):
     """The usual update() is counted without reading the scaler (its skips, scale and tracker known from the last
     update's prediction) and its scale predicted as every update's is. Through its growth, a NaN loss raised at its

@@ -1,5 +1,6 @@
 """nonfinite='skip': a step whose loss or gradients are non-finite is not taken, as if its batch never came."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -133,6 +134,34 @@ def test_under_a_grad_scaler_skip_mode_changes_nothing_gradscaler_does():
     assert torch.equal(w, w_ref) and lr == lr_ref and scale == scale_ref
     assert stats.optimizer_steps_skipped == stats_ref.optimizer_steps_skipped == 2
     assert stats.nonfinite_steps_skipped == 0
+
+
+@pytest.mark.parametrize("schedulers", [True, False], ids=["schedulers", "schedulers=False"])
+def test_under_a_grad_scaler_a_nan_loss_skips_only_the_step_gradscaler_skips(schedulers):
+    """A NaN batch under a GradScaler: GradScaler skips its step, and skip mode must skip no other. With
+    schedulers=False no read rode on update(): the NaN loss was read at the next batch's call, and skip mode took
+    that healthy batch's step too."""
+    def run(guarded):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+        with ampguard.guard(nonfinite="skip", schedulers=schedulers) if guarded else contextlib.nullcontext() as g, \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for x, y in corrupt(batches(8), 3):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), g
+
+    plain, guarded = run(False), run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain[0], guarded[0], strict=True)) and plain[1] == guarded[1]
+    stats = guarded[2].stats
+    assert stats.optimizer_steps_skipped == 1 and stats.nonfinite_steps_skipped == 0, stats
 
 
 def test_a_nan_output_of_an_inference_call_warns():

@@ -322,7 +322,7 @@ def scale_overflow(g: _guard.Guard, p: Pending, penalty: tuple, window: list) ->
             return False
     g.stats.penalty_overflows += 1
     schedulers = sys.modules.get("ampguard.schedulers")
-    if schedulers is not None and "schedulers" in g._on:
+    if schedulers is not None and schedulers.SCALER in g._on:
         schedulers.note_penalty_overflow(g, scaler)
     log.info("ampguard: a loss made after a gradient penalty of scaled gradients was non-finite where GradScaler "
              "skipped the step: left to the scaler, as its overflow")
@@ -331,8 +331,8 @@ def scale_overflow(g: _guard.Guard, p: Pending, penalty: tuple, window: list) ->
 
 def _skips(scaler: Any) -> bool | None:
     """Whether ``scaler`` found inf/NaN gradients for an optimizer this iteration (it skips that step); None where
-    it has not unscaled them yet, or its update() has ended the iteration (a read after it: schedulers=False, where
-    no read rides on update())."""
+    it has not unscaled them yet, or its update() has ended the iteration (a read after it: GradScaler tracking
+    switched off by an internal fault, where no read rides on update())."""
     found = [f for state in scaler._per_optimizer_states.values()
              for f in state.get("found_inf_per_device", {}).values()]
     return any(bool(f.item()) for f in found) if found else None
