@@ -1620,9 +1620,12 @@ def kept(obj: Any, values: bool = True) -> Callable[[], None]:
                 elif isinstance(v, list):
                     if len(v) != len(copy) or any(a is not b for a, b in zip(v, copy, strict=True)):
                         v[:] = copy
-                else:  # (a set, a deque: their maxlen and kind stay)
+                elif isinstance(v, set):
                     v.clear()
-                    v.update(copy) if isinstance(v, set) else v.extend(copy)
+                    v.update(copy)
+                else:  # (a deque: its maxlen stays)
+                    v.clear()
+                    v.extend(copy)
             elif copy is not None and v._version != copy[0] and v.shape == copy[1].shape:
                 with _torch.no_grad():
                     v.copy_(copy[1])
