@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import random
 import warnings
@@ -1130,6 +1131,47 @@ def test_a_call_that_writes_into_its_input_is_named_beside_an_origin_found_from_
     assert "argument 0 of the call of 'NormalisesItsInput' is changed by Tensor.sub_ at" in str(err), str(err)
     assert "Tensor.div_" not in str(err)  # the first write names the input; one line per input
     assert "the origin above is where that value became non-finite" in str(err), str(err)
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    name: str = "batch"
+
+
+class MasksItsBatch(torch.nn.Module):
+    """Takes its batch as a dataclass, and scales the mask in place, as a collator's output is often reused."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, batch):
+        batch.mask.mul_(2.0)  # WRITE LINE
+        return self.head((self.emb(batch.ids) * batch.mask[..., None]).mean(1))
+
+
+def test_a_nan_in_a_dataclass_batch_is_named_by_its_field_and_the_replay_writes_into_none_of_its_tensors():
+    """A field of a dataclass argument was named "a tensor made outside the replayed calls", and the replay ran the
+    forward on the user's own tensors: its in-place write scaled the user's mask a second time."""
+    model = MasksItsBatch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.ones(3, 5)
+    mask[1, 2] = float("nan")
+    batch = TokenBatch(torch.randint(0, 20, (3, 5)), mask)
+    with ampguard.guard(nonfinite="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(batch).pow(2).mean().backward()
+        opt.step()
+    message = next(str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning))
+    assert "It entered already non-finite (NaN): argument 0 of the call of 'MasksItsBatch', field 'mask' (the data" \
+        in message, message
+    assert "The call writes into its input in place: argument 0 of the call of 'MasksItsBatch', field 'mask' is " \
+        f"changed by Tensor.mul_ at\n    {__file__}:{line_of(MasksItsBatch.forward, 'WRITE LINE')}" in message, message
+    assert batch.mask is mask and mask[0, 0] == 2.0 and batch.name == "batch"  # written once, by the user's call
 
 
 def test_loss_code_that_writes_into_its_target_is_named():

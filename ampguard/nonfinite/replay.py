@@ -20,6 +20,7 @@ turned finite incoming gradients into non-finite ones is the origin, named by it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import re
@@ -27,6 +28,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterator
+from copy import copy as shallow_copy
 from typing import Any
 
 from .. import _guard, _sync
@@ -468,7 +470,10 @@ class Freed(Exception):
             self.advice = advice
 
 
-def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> Any:
+def _map(session: Session, value: Any, clone: bool, where: str = "an input", items: bool = False) -> Any:
+    """``value`` for the replay: a tensor's copy (``clone``) or replayed counterpart, containers mapped through.
+    ``where`` names it in messages; with ``items``, an item of a container is named by its index, key or field (a
+    call's argument: "argument 0 of the call of 'M', field 'mask'"; not the loss code's op arguments)."""
     torch = sinks._torch
     if isinstance(value, Ref):
         if value.event >= 0 and (value.event, value.key) in session.replayed:
@@ -505,18 +510,40 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input") -> 
             return copy
         return value
     if isinstance(value, tuple):
-        items = [_map(session, v, clone, where) for v in value]
-        return sinks._remade(value, items) if hasattr(type(value), "_fields") else tuple(items)
+        mapped = [_map(session, v, clone, f"{where}, item {i}" if items else where, items) for i, v in enumerate(value)]
+        return sinks._remade(value, mapped) if hasattr(type(value), "_fields") else tuple(mapped)
     if isinstance(value, list):
-        return [_map(session, v, clone, where) for v in value]
+        return [_map(session, v, clone, f"{where}, item {i}" if items else where, items) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: _map(session, v, clone, where) for k, v in value.items()}
+        return {k: _map(session, v, clone, f"{where}, item {k!r}" if items else where, items) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _map_fields(session, value, clone, where, items)
     return value
 
 
+def _map_fields(session: Session, value: Any, clone: bool, where: str, items: bool) -> Any:
+    """A dataclass argument (a batch with ``ids`` and ``mask`` fields): a shallow copy holding the fields' copies, so
+    that the replay names a field's NaN as the data's and writes into no tensor of the user's; ``value`` itself where
+    no field changed or the class cannot be copied."""
+    fields = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+    mapped = [(name, _map(session, v, clone, f"{where}, field {name!r}" if items else where, items))
+              for name, v in fields]
+    if all(m is v for (_, v), (_, m) in zip(fields, mapped, strict=True)):
+        return value
+    try:
+        made = shallow_copy(value)
+        for name, v in mapped:
+            object.__setattr__(made, name, v)  # (a frozen dataclass too)
+    except Exception:  # (a class whose copy or fields refuse: the replay reads its tensors as they are)
+        return value
+    return made
+
+
 def _map_call(session: Session, call: Call, label: str) -> tuple[tuple, dict]:
-    args = tuple(_map(session, a, True, f"argument {i} of the call of '{label}'") for i, a in enumerate(call.args))
-    kwargs = {k: _map(session, v, True, f"argument {k!r} of the call of '{label}'") for k, v in call.kwargs.items()}
+    args = tuple(_map(session, a, True, f"argument {i} of the call of '{label}'", True)
+                 for i, a in enumerate(call.args))
+    kwargs = {k: _map(session, v, True, f"argument {k!r} of the call of '{label}'", True)
+              for k, v in call.kwargs.items()}
     return args, kwargs
 
 
