@@ -1154,22 +1154,36 @@ class MasksItsBatch(torch.nn.Module):
         return self.head((self.emb(batch.ids) * batch.mask[..., None]).mean(1))
 
 
-def test_a_nan_in_a_dataclass_batch_is_named_by_its_field_and_the_replay_writes_into_none_of_its_tensors():
-    """A field of a dataclass argument was named "a tensor made outside the replayed calls", and the replay ran the
-    forward on the user's own tensors: its in-place write scaled the user's mask a second time."""
+class Encoding(collections.UserDict):
+    """A tokenizer's batch as Hugging Face's BatchEncoding is: a UserDict whose keys read as attributes too."""
+
+    def __getattr__(self, name):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "UserDict"])
+def test_a_nan_in_a_batch_object_is_named_by_its_field_and_the_replay_writes_into_none_of_its_tensors(kind):
+    """A field of a dataclass argument (an item of a BatchEncoding) was named "a tensor made outside the replayed
+    calls", and the replay ran the forward on the user's own tensors: its in-place write scaled the user's mask a
+    second time."""
     model = MasksItsBatch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mask = torch.ones(3, 5)
     mask[1, 2] = float("nan")
-    batch = TokenBatch(torch.randint(0, 20, (3, 5)), mask)
+    ids = torch.randint(0, 20, (3, 5))
+    batch = TokenBatch(ids, mask) if kind == "dataclass" else Encoding(ids=ids, mask=mask, name="batch")
     with ampguard.guard(nonfinite="warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(batch).pow(2).mean().backward()
         opt.step()
     message = next(str(w.message) for w in caught if issubclass(w.category, ampguard.AmpGuardWarning))
-    assert "It entered already non-finite (NaN): argument 0 of the call of 'MasksItsBatch', field 'mask' (the data" \
+    field = "field 'mask'" if kind == "dataclass" else "item 'mask'"
+    assert f"It entered already non-finite (NaN): argument 0 of the call of 'MasksItsBatch', {field} (the data" \
         in message, message
-    assert "The call writes into its input in place: argument 0 of the call of 'MasksItsBatch', field 'mask' is " \
+    assert f"The call writes into its input in place: argument 0 of the call of 'MasksItsBatch', {field} is " \
         f"changed by Tensor.mul_ at\n    {__file__}:{line_of(MasksItsBatch.forward, 'WRITE LINE')}" in message, message
     assert batch.mask is mask and mask[0, 0] == 2.0 and batch.name == "batch"  # written once, by the user's call
 

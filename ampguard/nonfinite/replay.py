@@ -27,6 +27,7 @@ import re
 import sys
 import warnings
 import weakref
+from collections import UserDict
 from collections.abc import Iterator
 from copy import copy as shallow_copy
 from typing import Any
@@ -518,6 +519,14 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input", ite
         return {k: _map(session, v, clone, f"{where}, item {k!r}" if items else where, items) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _map_fields(session, value, clone, where, items)
+    if isinstance(value, UserDict):  # (Hugging Face's BatchEncoding: a tokenizer's batch)
+        data = _map(session, value.data, clone, where, items)
+        try:
+            made = shallow_copy(value)
+            made.data = data
+        except Exception:  # (a class whose copy refuses: the replay reads its tensors as they are)
+            return value
+        return made
     return value
 
 
