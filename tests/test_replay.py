@@ -921,7 +921,7 @@ class CountsAndKeeps(torch.nn.Module):
         self.proj = torch.nn.Linear(4, 4)
         self.calls = 0
         self.maps = []  # attention maps kept for a plot
-        self.seen = {"rows": 0}  # a curriculum's count
+        self.seen = collections.Counter(rows=0)  # a curriculum's count
         self.recent = collections.deque(maxlen=2)
         self.shapes = set()
 

@@ -1616,7 +1616,8 @@ def kept(obj: Any, values: bool = True) -> Callable[[], None]:
                 if isinstance(v, dict):
                     if len(v) != len(copy) or any(v.get(key, _MISSING) is not item for key, item in copy):
                         v.clear()
-                        v.update(copy)
+                        for key, item in copy:  # (item by item: a Counter's update() would count the pairs)
+                            v[key] = item
                 elif isinstance(v, list):
                     if len(v) != len(copy) or any(a is not b for a, b in zip(v, copy, strict=True)):
                         v[:] = copy
