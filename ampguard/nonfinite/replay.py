@@ -511,39 +511,35 @@ def _map(session: Session, value: Any, clone: bool, where: str = "an input", ite
             return copy
         return value
     if isinstance(value, tuple):
-        mapped = [_map(session, v, clone, f"{where}, item {i}" if items else where, items) for i, v in enumerate(value)]
+        mapped = [_map(session, v, clone, _part(where, items, f"item {i}"), items) for i, v in enumerate(value)]
         return sinks._remade(value, mapped) if hasattr(type(value), "_fields") else tuple(mapped)
     if isinstance(value, list):
-        return [_map(session, v, clone, f"{where}, item {i}" if items else where, items) for i, v in enumerate(value)]
+        return [_map(session, v, clone, _part(where, items, f"item {i}"), items) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: _map(session, v, clone, f"{where}, item {k!r}" if items else where, items) for k, v in value.items()}
+        return {k: _map(session, v, clone, _part(where, items, f"item {k!r}"), items) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _map_fields(session, value, clone, where, items)
+        # (a batch with ``ids`` and ``mask`` fields: the replay names a field's NaN as the data's, and writes into no
+        # tensor of the user's)
+        fields = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+        mapped = [(name, _map(session, v, clone, _part(where, items, f"field {name!r}"), items)) for name, v in fields]
+        return value if all(m is v for (_, v), (_, m) in zip(fields, mapped, strict=True)) else _with(value, mapped)
     if isinstance(value, UserDict):  # (Hugging Face's BatchEncoding: a tokenizer's batch)
-        data = _map(session, value.data, clone, where, items)
-        try:
-            made = shallow_copy(value)
-            made.data = data
-        except Exception:  # (a class whose copy refuses: the replay reads its tensors as they are)
-            return value
-        return made
+        return _with(value, [("data", _map(session, value.data, clone, where, items))])
     return value
 
 
-def _map_fields(session: Session, value: Any, clone: bool, where: str, items: bool) -> Any:
-    """A dataclass argument (a batch with ``ids`` and ``mask`` fields): a shallow copy holding the fields' copies, so
-    that the replay names a field's NaN as the data's and writes into no tensor of the user's; ``value`` itself where
-    no field changed or the class cannot be copied."""
-    fields = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
-    mapped = [(name, _map(session, v, clone, f"{where}, field {name!r}" if items else where, items))
-              for name, v in fields]
-    if all(m is v for (_, v), (_, m) in zip(fields, mapped, strict=True)):
-        return value
+def _part(where: str, items: bool, part: str) -> str:
+    return f"{where}, {part}" if items else where
+
+
+def _with(value: Any, attributes: list[tuple[str, Any]]) -> Any:
+    """A shallow copy of ``value`` with ``attributes`` set (a frozen dataclass's too); ``value`` itself where its class
+    refuses the copy or the attributes: the replay then reads its tensors as they are."""
     try:
         made = shallow_copy(value)
-        for name, v in mapped:
-            object.__setattr__(made, name, v)  # (a frozen dataclass too)
-    except Exception:  # (a class whose copy or fields refuse: the replay reads its tensors as they are)
+        for name, v in attributes:
+            object.__setattr__(made, name, v)
+    except Exception:
         return value
     return made
 
