@@ -1808,13 +1808,16 @@ def _fractional_power(a, b):
     return (a - b - 100).pow(0.5)
 
 
-@pytest.mark.parametrize(("made_by", "advice"), [
-    (_cosine_angle, "acos and asin are NaN outside [-1, 1]"),
-    (_variance_root, "This op is NaN for a negative input"),
-    (_log_of_difference, "This op is NaN for a negative input"),
-    (_fractional_power, "pow: a negative base to a fractional power"),
+@pytest.mark.parametrize(("made_by", "advice", "measured"), [
+    (_cosine_angle, "acos and asin are NaN outside [-1, 1]", "Its input ranged from 1.00000012 to 1.00000012."),
+    (_variance_root, "This op is NaN for a negative input", "Its input was as low as -0.8"),
+    (_log_of_difference, "This op is NaN for a negative input", "Its input was as low as -10"),
+    (_fractional_power, "pow: a negative base to a fractional power", "Its input was as low as -10"),
 ])
-def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps_it_inside(made_by, advice):
+def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps_it_inside(made_by, advice, measured):
+    """The message also says how far past the bound the input was (measured in the replay): rounding takes a value
+    past it by some 1e-7 of its size in float32, where a clamp is the fix; far past it, the quantity has the wrong
+    sign, and a clamp would hide that."""
     # (a vector whose cosine with itself is 1.0000001 in float32: the dot product and the norms round differently)
     same = torch.tensor([0.1919950693845749, 0.5427713394165039, -2.2187793254852295, 0.2589845359325409])
     if made_by is _cosine_angle:
@@ -1822,6 +1825,9 @@ def test_an_op_that_is_nan_outside_its_domain_is_named_with_the_clamp_that_keeps
     else:
         _, message = _error_of_a_step(lambda out: made_by(out, torch.rand(2, 4)).mean())
     assert "(inputs finite, output NaN)" in message and advice in message, message
+    assert measured in message, message
+    if made_by is not _cosine_angle:
+        assert "A rounding error is some 1e-7 (float32) of the values it was computed from" in message, message
 
 
 def _masked_mean(out, mask):

@@ -579,6 +579,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if entered is None:
+        lines.extend(_outside_domain(rec))
         lines.extend(_op_advice(label, rec.kinds))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
@@ -721,6 +722,24 @@ def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> li
                      "loss rising), or data far from unit scale. Lower the learning rate, clip the gradients "
                      "(clip_grad_norm_), or normalize the inputs.")
     return lines
+
+
+def _outside_domain(rec: replay.OpRecord) -> list[str]:
+    """How far past its domain's bound the input of a root, log, fractional power, acos or asin that made NaN was
+    (measured in the replay): -1e-9 from values near 1 is rounding, which _OP_ADVICE's clamp fixes; -0.2 from
+    values below 0.4 is a quantity of the wrong sign, which a clamp hides."""
+    if rec.domain is None:
+        return []
+    low, high = rec.domain
+    if rec.name.partition(".")[2].strip("_") in ("acos", "asin", "arccos", "arcsin"):
+        return [f"  Its input ranged from {low:.9g} to {high:.9g}."]
+    dtype = str(rec.dtype).removeprefix("torch.")
+    eps = {"float32": "1e-7", "float16": "1e-3", "bfloat16": "8e-3", "float64": "2e-16"}.get(dtype)
+    rounding = f"some {eps} ({dtype})" if eps else "the dtype's epsilon"
+    return [f"  Its input was as low as {low:.4g}, and its largest |x| {max(abs(low), abs(high)):.4g}. A rounding "
+            f"error is {rounding} of the values it was computed from; a value far below that is a quantity of the "
+            "wrong sign, which a clamp would hide: make it positive by construction (softplus or exp of a learned "
+            "value, a square)."]
 
 
 def _op_advice(label: str, kinds: Any) -> list[str]:

@@ -40,8 +40,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("constant", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest", "leaves", "module", "name",
-                 "numbers", "ref", "root", "shape")
+    __slots__ = ("constant", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest", "leaves",
+                 "module", "name", "numbers", "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -61,6 +61,7 @@ class OpRecord:
         self.event = -1  # the window event it ran in
         # where it made ±Inf from finite inputs: its first tensor inputs and their largest |x| (see _largest)
         self.largest: tuple | None = None
+        self.domain: tuple[float, float] | None = None  # where it made NaN outside its domain: its input's (min, max)
 
 
 class Session:
@@ -174,6 +175,9 @@ class Session:
             largest = self._largest(tensors[:_LARGEST_OF])
             for r in made_inf:
                 r.largest = largest
+        if op.rstrip("_") in _DOMAIN and tensors and not leaves and not numbers and "nan" in self.records[-1].kinds \
+                and not any(self.records[i].kinds for i in inputs):
+            self.records[-1].domain = _range(tensors[0])
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
@@ -231,6 +235,20 @@ class Session:
 
 _INFS = frozenset(("inf", "-inf"))
 _LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
+# ops NaN outside their domain: below 0 (a root, a log, a fractional power of a negative base), outside [-1, 1]
+_DOMAIN = frozenset(("sqrt", "rsqrt", "log", "log2", "log10", "pow", "acos", "asin", "arccos", "arcsin"))
+
+
+def _range(tensor: Any) -> tuple[float, float] | None:
+    """(min, max) of an op's first input where the op made NaN from finite inputs outside its domain, to tell a
+    value that rounding took past the bound from one far past it. The failure path only."""
+    torch = sinks._torch
+    with torch._C.DisableTorchFunction():
+        values = sinks.stored(tensor.detach())
+        if not values.numel() or values.is_complex():
+            return None
+        low, high = (float(v) for v in torch.aminmax(values.float()))
+        return (low, high) if math.isfinite(low) and math.isfinite(high) else None  # (an in-place op: written over)
 
 
 def _largest_abs(tensor: Any) -> tuple[float, bool] | None:
