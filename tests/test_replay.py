@@ -1780,6 +1780,24 @@ def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_
     assert "was not counted as a cause: the mask made by Tensor.masked_fill at " in message, message
 
 
+def test_a_layer_norm_without_eps_over_a_padding_row_names_the_zero_variance_and_eps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8, padding_idx=0), torch.nn.LayerNorm(8, eps=0.0),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(1, 10, (4, 5))
+    with ampguard.guard():
+        model(ids).pow(2).mean().backward()
+        opt.step()
+        ids[2, 3] = 0  # (the padding token: an embedding of zeros)
+        with pytest.raises(ampguard.NonFiniteError) as info:
+            model(ids).pow(2).mean().backward()
+            opt.step()
+    err, message = info.value, str(info.value)
+    assert err.module == "1" and "layer_norm" in err.op, message
+    assert "the values it normalizes together are all equal" in message and "its eps is 0: 0/0" in message, message
+
+
 def _error_of_a_step(loss_of, trace="replay", width=4):
     """The NonFiniteError (and its message) of one SGD step of a Linear(4, width) on 2 rows, whose loss is
     ``loss_of(output)``, under ``guard(trace=trace)``."""

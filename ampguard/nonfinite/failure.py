@@ -660,6 +660,11 @@ _OP_ADVICE = (
     (re.compile(r"(?<![a-z_])(acos|asin|arccos|arcsin)_?\b"), "nan",
      "acos and asin are NaN outside [-1, 1], and a cosine computed in floating point (a normalized dot product) can "
      "pass 1 by a rounding error: clamp it to [-1 + eps, 1 - eps] first (the eps also bounds the gradient at ±1)."),
+    (re.compile(r"(layer|group|batch|instance|rms)_norm"), "nan",
+     "A normalization divides by sqrt(variance + eps) (rms_norm: by sqrt(mean(x^2) + eps)). It is NaN from finite "
+     "inputs only where the values it normalizes together are all equal, so that the variance is 0 (a padding "
+     "position whose embedding is all zeros, a constant channel), and its eps is 0: 0/0. Give it an eps (1e-5 is "
+     "torch's default), or leave such rows out before it."),
     (re.compile(r"(?<![a-z_])(mul|multiply|matmul|b?mm|einsum|dot)_?\b"), "nan",
      "A product is NaN only as 0 x ±Inf: a factor held ±Inf where the other held 0. Most often that is p * log(p) "
      "at a position a mask set to -Inf (an entropy or a KL over masked logits, where p is 0 and log(p) -Inf). Take "
