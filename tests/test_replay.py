@@ -1798,6 +1798,29 @@ def test_a_layer_norm_without_eps_over_a_padding_row_names_the_zero_variance_and
     assert "the values it normalizes together are all equal" in message and "its eps is 0: 0/0" in message, message
 
 
+class HalfRMSNorm(torch.nn.Module):
+    """An RMSNorm written by hand in float16, with an eps that float16 rounds to 0."""
+
+    def forward(self, x):
+        x = x.half()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-12)).float()  # RSQRT LINE
+
+
+def test_a_reciprocal_of_0_in_float16_names_an_eps_that_float16_rounds_to_0():
+    model = torch.nn.Sequential(HalfRMSNorm(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    x[2] = 0  # (a padding row)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        model(x).pow(2).mean().backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "torch.rsqrt" and err.origin[-1].lineno == line_of(HalfRMSNorm.forward, "RSQRT LINE"), message
+    assert "A division (or a reciprocal) of finite values is ±Inf where its divisor is 0" in message, message
+    assert "This divisor is float16, where an eps below 3e-8 (1e-8, or 1e-12 as in a hand-written RMSNorm) rounds " \
+        "to 0" in message, message
+
+
 def _error_of_a_step(loss_of, trace="replay", width=4):
     """The NonFiniteError (and its message) of one SGD step of a Linear(4, width) on 2 rows, whose loss is
     ``loss_of(output)``, under ``guard(trace=trace)``."""

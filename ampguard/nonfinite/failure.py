@@ -685,6 +685,9 @@ _DIVISIONS = frozenset(("div", "divide", "true_divide", "reciprocal", "rsqrt"))
 _DIVIDED_BY_0 = ("  A division (or a reciprocal) of finite values is ±Inf where its divisor is 0: a difference of "
                  "equal values, a count or a norm that is 0, a std of a constant. Add eps to the divisor (keeping its "
                  "sign), or clamp it (min=eps) where it is never negative.")
+_EPS_IN_FP16 = ("  This divisor is float16, where an eps below 3e-8 (1e-8, or 1e-12 as in a hand-written RMSNorm) "
+                "rounds to 0 and adds nothing: compute the divisor in float32 (.float() before the eps is added), or "
+                "use an eps of at least 1e-6.")
 _DERIVATIVE_AT_0 = ("  Inside torch.autograd.grad this division is a derivative's: sqrt, a power below 1 or a norm has "
                     "an infinite derivative at 0 (d/dx sqrt(x) = 1 / (2 sqrt(x))). Keep that op's input away from 0 "
                     "(sqrt(x + eps)), or leave the points where it is 0 out of the derivative.")
@@ -704,7 +707,8 @@ def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> li
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
     if singular and op in _DIVISIONS and "nan" not in rec.kinds:  # (a 0/0 is NaN, with advice of its own)
-        return [_DERIVATIVE_AT_0 if "torch.autograd.grad" in label else _DIVIDED_BY_0]
+        lines = [_DERIVATIVE_AT_0 if "torch.autograd.grad" in label else _DIVIDED_BY_0]
+        return [*lines, _EPS_IN_FP16] if str(rec.dtype) == "torch.float16" else lines
     if not rec.largest or limit is None or singular or not any(amax for _, _, amax, _ in rec.largest):
         return []  # (from inputs that are all 0, no result can pass a dtype's largest value)
     dtype = str(rec.dtype).removeprefix("torch.")
