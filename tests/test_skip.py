@@ -79,6 +79,17 @@ def test_a_corrupt_batch_is_skipped_bit_identically_to_a_run_that_never_saw_it(c
     assert torch.isnan(lost[0].weight).all()
 
 
+def test_with_schedulers_false_a_skipped_step_does_not_hold_the_scheduler_and_the_warning_says_so():
+    """The warning said "LR schedulers held" whatever the schedulers option; with schedulers=False they step."""
+    data = batches()
+    with warnings.catch_warnings(record=True) as caught, ampguard.guard(nonfinite="skip", schedulers=False) as g:
+        warnings.simplefilter("always")
+        _, _, sched = train(corrupt(data, 2))
+    found = ours(caught)
+    assert len(found) == 1 and "buffers as before the batch, LR schedulers not held: schedulers=False)" in found[0]
+    assert sched.last_epoch == len(data) and g.stats.scheduler_steps_held == 0
+
+
 def test_a_step_that_makes_nan_gradients_is_skipped_and_the_op_named_once():
     model = SqrtAtZero()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -209,8 +209,9 @@ def emit(g: _guard.Guard, error: NonFiniteError) -> None:
         # its traceback would hold the failed step's frames, and their batch and loss graph, past the user's except)
         T.last_error = error
     if mode == "skip" and T.poisoned:
+        held = "LR schedulers held" if "schedulers" in g._on else "LR schedulers not held: schedulers=False"
         warn_at_user("ampguard: nonfinite='skip': the optimizer step this reached is skipped (parameters, optimizer "
-                     "state and buffers as before the batch, LR schedulers held); the run goes on. Once per origin:\n"
+                     f"state and buffers as before the batch, {held}); the run goes on. Once per origin:\n"
                      + str(error))
         return
     if mode in ("warn", "skip"):
