@@ -17,6 +17,10 @@ Patch targets (each undone by the registry, which restores the exact original):
 
 A skipped step leaves the optimizer as it was, except one of torch's: the first step of a fused SGD with momentum
 stores momentum buffers that its kernel never wrote. ``update()`` takes them out (see :func:`_fresh_momentum`).
+
+Two features: the GradScaler wrappers are ``SCALER``'s (on wherever a check needs its counts: the hold, the collapse
+and unscaled checks, the non-finite checks' read), the scheduler's and the momentum fix are ``FEATURE``'s, the
+``schedulers`` option.
 """
 
 from __future__ import annotations
