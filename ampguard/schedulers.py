@@ -235,9 +235,12 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     g = _guard.current(SCALER)
     if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
+    new_scale = args[0] if args else kwargs.get("new_scale")
+    if new_scale is not None and not isinstance(new_scale, (float, sys.modules["torch"].Tensor)):
+        return wrapped(*args, **kwargs)  # (what torch's update() refuses: its own error says what it accepts)
     record = found = None
     try:
-        record = _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
+        record = _before_update(g, instance, new_scale)
     except NonFiniteError as intended:
         # A sink read on this update's read failed. Raised once update() has run, so that the scaler ends its
         # iteration as it does without ampguard (found_inf backs the scale off; the next step() is allowed): a

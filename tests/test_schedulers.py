@@ -372,6 +372,20 @@ def test_a_new_scale_float32_cannot_hold_is_judged_as_the_scaler_will_hold_it(ne
     assert scaler.get_scale() == 65536.0
 
 
+@pytest.mark.parametrize("new_scale", ["high", [1024.0]], ids=["a string", "a list"])
+def test_a_new_scale_torch_refuses_gets_torchs_own_error_and_leaves_the_tracking_on(new_scale, recwarn):
+    """update(new_scale=[1024.0]) failed in ampguard's float() first: an "internal error" warning, and GradScaler
+    tracking switched off for the rest of the run. torch's update() takes a float or a tensor; its error says so."""
+    g = ampguard.install()
+    with pytest.raises(AttributeError, match="has no attribute 'device'"):
+        stepped_scaler().update(new_scale=new_scale)
+    assert not [w for w in recwarn if issubclass(w.category, ampguard.AmpGuardWarning)]
+    assert g._disabled == set() and "schedulers" in g._on
+    scaler = stepped_scaler()
+    scaler.update(new_scale=1024.0)
+    assert scaler.get_scale() == 1024.0 and g.stats.loss_scale == 1024.0  # (the tracking counted this update)
+
+
 def test_default_skip_limit_survives_a_normal_calibration():
     g = ampguard.install()
     m = model()
