@@ -106,6 +106,60 @@ def test_an_internal_fault_falls_back_to_pytorch_with_one_warning_and_a_log_reco
         assert g.stats.scheduler_steps_held == 2
 
 
+def _misuse_setup():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, opt, torch.amp.GradScaler("cpu"), S.StepLR(opt, 2)
+
+
+def _backward(m):
+    m(torch.randn(2, 4)).sum().backward()
+
+
+MISUSES = {  # calls of the patched APIs that torch itself refuses
+    "clip_grad_norm_(norm_type='fro')": lambda m, o, s, sch: (
+        _backward(m), torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, norm_type="fro")),
+    "clip_grad_norm_(max_norm='x')": lambda m, o, s, sch: (
+        _backward(m), torch.nn.utils.clip_grad_norm_(m.parameters(), "x")),
+    "clip_grad_value_(clip_value=None)": lambda m, o, s, sch: (
+        _backward(m), torch.nn.utils.clip_grad_value_(m.parameters(), None)),
+    "GradScaler.step('opt')": lambda m, o, s, sch: (s.scale(m(torch.randn(2, 4)).sum()).backward(), s.step("opt")),
+    "GradScaler.step() before backward": lambda m, o, s, sch: s.step(o),
+    "GradScaler.update(new_scale=[1.0])": lambda m, o, s, sch: (
+        s.scale(m(torch.randn(2, 4)).sum()).backward(), s.step(o), s.update([1.0])),
+    "LRScheduler.step('x')": lambda m, o, s, sch: sch.step("x"),
+    "backward(gradient='x')": lambda m, o, s, sch: m(torch.randn(2, 4)).sum().backward(gradient="x"),
+    "backward twice": lambda m, o, s, sch: (lambda loss: (loss.backward(), loss.backward()))(
+        m(torch.randn(2, 4)).sum()),
+    "autograd.grad of an unused input": lambda m, o, s, sch: torch.autograd.grad(
+        m(torch.randn(2, 4)).sum(), [torch.zeros(1, requires_grad=True)]),
+    "optimizer.step(closure=123)": lambda m, o, s, sch: o.step(closure=123),
+    "module call of the wrong shape": lambda m, o, s, sch: m(torch.randn(2, 5)),
+}
+
+
+def _misused(call):
+    try:
+        call(*_misuse_setup())
+    except Exception as exc:  # (each case's error is compared as it is)
+        return type(exc), str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case", MISUSES)
+def test_a_call_torch_refuses_gets_torchs_own_error_and_switches_nothing_off(case):
+    """norm_type='fro' failed in the gradient sink's float() before torch saw it: an "internal error ... please
+    report it" warning, and the non-finite checks switched off for the rest of the run."""
+    plain = _misused(MISUSES[case])
+    g = ampguard.install()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guarded = _misused(MISUSES[case])
+    assert plain is not None and guarded == plain
+    assert ours(caught) == [] and g._disabled == set()
+
+
 def test_a_fault_in_the_lightning_patch_falls_back(monkeypatch):
     L = pytest.importorskip("lightning.pytorch")
     from test_lightning import BATCHES, correct_step, fit, module_class

@@ -1704,10 +1704,12 @@ def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         return wrapped(*args, **kwargs)
     try:
         args, kwargs, params = clip_arguments(args, kwargs)
-        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
-        usable = float(norm_type) > 0  # a 0-"norm" counts non-zeros: a NaN would not show
     except Exception as exc:
         internal_failure(FEATURE, exc)
+        return wrapped(*args, **kwargs)
+    try:
+        usable = float(args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)) > 0  # (a 0-"norm" counts non-zeros)
+    except (TypeError, ValueError):  # (norm_type="fro", which torch refuses: its own error, not one of ampguard's)
         return wrapped(*args, **kwargs)
     try:
         total = wrapped(*args, **kwargs)
