@@ -39,6 +39,16 @@ def internal_failure(feature: str, exc: BaseException) -> None:
             "traceback; please report it.")
 
 
+def fall_back(feature: str, exc: BaseException, original: Callable[[], Any]) -> Any:
+    """ampguard's part of a wrapped call failed with ``exc``: run PyTorch's ``original``. Where PyTorch refuses the
+    call too (an argument neither accepts: ``norm_type="fro"``, ``update(new_scale=[1.0])``), its own error is the
+    user's answer, and ampguard's failure says nothing of ampguard: no warning, nothing switched off. Otherwise it was
+    an ampguard bug (internal_failure), and the original's result stands."""
+    result = original()
+    internal_failure(feature, exc)
+    return result
+
+
 def fail_safe(feature: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A torch hook that never breaks the user's run: intended errors and warnings-as-errors pass,
     an ampguard bug switches ``feature`` off and PyTorch's behaviour goes on (the hook returns None)."""

@@ -38,7 +38,7 @@ from typing import Any
 
 from . import _guard, _sync
 from ._errors import AmpGuardError, AmpGuardWarning, LossScaleCollapseError, NonFiniteError
-from ._fallback import fail_safe, internal_failure
+from ._fallback import fail_safe, fall_back, internal_failure
 from ._frames import warn_at_user
 from ._guard import DEPTH, Guard
 from ._patching import REGISTRY, Switch, Target
@@ -235,12 +235,9 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     g = _guard.current(SCALER)
     if g is None or DEPTH.counts.get("scaler.update") or not getattr(instance, "_enabled", False):
         return wrapped(*args, **kwargs)
-    new_scale = args[0] if args else kwargs.get("new_scale")
-    if new_scale is not None and not isinstance(new_scale, (float, sys.modules["torch"].Tensor)):
-        return wrapped(*args, **kwargs)  # (what torch's update() refuses: its own error says what it accepts)
     record = found = None
     try:
-        record = _before_update(g, instance, new_scale)
+        record = _before_update(g, instance, args[0] if args else kwargs.get("new_scale"))
     except NonFiniteError as intended:
         # A sink read on this update's read failed. Raised once update() has run, so that the scaler ends its
         # iteration as it does without ampguard (found_inf backs the scale off; the next step() is allowed): a
@@ -249,7 +246,7 @@ def _scaler_update(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     except AmpGuardError as intended:
         raise intended.with_traceback(None) from None  # the traceback starts here: no ampguard frame below
     except Exception as exc:
-        internal_failure(SCALER, exc)
+        return fall_back(SCALER, exc, lambda: DEPTH.outermost("scaler.update", wrapped, args, kwargs))
     result = DEPTH.outermost("scaler.update", wrapped, args, kwargs)
     if record is not None and record.momentum_undone:
         _say_fresh_momentum_undone(g, record)  # (a warning turned into an error is the user's: raised from here)
@@ -640,8 +637,8 @@ def _before_update(g: Guard, scaler: Any, new_scale: Any) -> ScalerRecord:
     if new_scale is not None and isinstance(new_scale, sys.modules["torch"].Tensor):
         new_value = _resolve(g, scaler, record, new_scale, failed)
     else:  # (the usual update(), without new_scale: no isinstance)
+        new_value = None if new_scale is None else float(new_scale)  # (first: a value torch refuses counts nothing)
         _resolve(g, scaler, record, None, failed)
-        new_value = None if new_scale is None else float(new_scale)
     record.after = record.next = None  # set again once this update() is done, if it was predicted
 
     scale = record.iteration_scale

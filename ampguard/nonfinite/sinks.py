@@ -52,7 +52,7 @@ from typing import Any
 
 from .. import _guard, _sync, schedulers
 from .._errors import AmpGuardError, AmpGuardWarning, NonFiniteError
-from .._fallback import fail_safe, internal_failure
+from .._fallback import fail_safe, fall_back, internal_failure
 from .._frames import first_user, first_user_past, from_caller, warn_at_user
 from .._guard import DEPTH, ObjectState, PerThread
 from .._patching import clip_arguments
@@ -1704,13 +1704,10 @@ def _clip_grad_norm(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         return wrapped(*args, **kwargs)
     try:
         args, kwargs, params = clip_arguments(args, kwargs)
+        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
+        usable = float(norm_type) > 0  # a 0-"norm" counts non-zeros: a NaN would not show
     except Exception as exc:
-        internal_failure(FEATURE, exc)
-        return wrapped(*args, **kwargs)
-    try:
-        usable = float(args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)) > 0  # (a 0-"norm" counts non-zeros)
-    except (TypeError, ValueError):  # (norm_type="fro", which torch refuses: its own error, not one of ampguard's)
-        return wrapped(*args, **kwargs)
+        return fall_back(FEATURE, exc, lambda: wrapped(*args, **kwargs))
     try:
         total = wrapped(*args, **kwargs)
     except BaseException:
