@@ -772,10 +772,16 @@ def _masks(session: replay.Session, names: dict, masks: list) -> list[str]:
 
 def _mask_made(rec: replay.OpRecord) -> str:
     """A mask made by a recorded op, named with the line of the user's that made it (a library's mask: the call)."""
+    return "the mask made by " + _call_at(rec)[1]
+
+
+def _call_at(rec: replay.OpRecord) -> tuple[str, str]:
+    """(the torch call the user wrote that ran the recorded op, that name with the user's line: "Tensor.nan_to_num
+    at train.py:18"; a library's op: the line of the call into it)."""
     own, user_site, _ = report.sites(rec.frames, rec.fn)
     line = user_site or own
-    made_by = report.op_name(rec.fn) if rec.fn is not None else _label(rec)[0]
-    return f"the mask made by {made_by}" + (f" at {line[0]}:{line[1]}" if line is not None else "")
+    label = report.op_name(rec.fn) if rec.fn is not None else rec.name
+    return label, label + (f" at {line[0]}:{line[1]}" if line is not None else "")
 
 
 def _leaf_name(session: replay.Session, names: dict, tensor: Any) -> str:
@@ -1048,11 +1054,8 @@ def _hiders(session: replay.Session, made: int, sink: int) -> tuple[str, str]:
     at most three; the first one's name): ('', '') where the replay saw none (the loss code was not recorded)."""
     named: dict[str, str] = {}
     for i in replay.hid(session, made, sink):
-        rec = session.records[i]
-        own, user_site, _ = report.sites(rec.frames, rec.fn)
-        line = user_site or own
-        label = report.op_name(rec.fn) if rec.fn is not None else rec.name  # (the call the user wrote)
-        named.setdefault(label + (f" at {line[0]}:{line[1]}" if line is not None else ""), label)
+        label, at = _call_at(session.records[i])
+        named.setdefault(at, label)
     if not named:
         return "", ""
     shown = list(named)[:3] + ([f"{len(named) - 3} more"] if len(named) > 3 else [])
