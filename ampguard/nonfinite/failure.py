@@ -744,12 +744,11 @@ def _outside_domain(rec: replay.OpRecord) -> list[str]:
     if rec.name.partition(".")[2].strip("_") in ("acos", "asin", "arccos", "arcsin"):
         return [f"  Its input ranged from {low:.9g} to {high:.9g}."]
     dtype = str(rec.dtype).removeprefix("torch.")
-    eps = {"float32": "1e-7", "float16": "1e-3", "bfloat16": "8e-3", "float64": "2e-16"}.get(dtype)
-    rounding = f"some {eps} ({dtype})" if eps else "the dtype's epsilon"
+    eps = f"{sinks._torch.finfo(rec.dtype).eps:.0e}".replace("e-0", "e-")  # (float32: 1e-7; float16: 1e-3)
     return [f"  Its input was as low as {low:.4g}, and its largest |x| {max(abs(low), abs(high)):.4g}. A rounding "
-            f"error is {rounding} of the values it was computed from; a value far below that is a quantity of the "
-            "wrong sign, which a clamp would hide: make it positive by construction (softplus or exp of a learned "
-            "value, a square)."]
+            f"error is some {eps} ({dtype}) of the values it was computed from; a value far below that is a quantity "
+            "of the wrong sign, which a clamp would hide: make it positive by construction (softplus or exp of a "
+            "learned value, a square)."]
 
 
 def _op_advice(label: str, kinds: Any) -> list[str]:
