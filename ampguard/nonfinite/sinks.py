@@ -1637,14 +1637,12 @@ def kept(obj: Any, values: bool = True) -> Callable[[], None]:
 
 
 _CONTAINERS = (list, dict, set, collections.deque)
-_OWN: list = []
 
 
+@functools.cache
 def _module_own() -> frozenset:
     """The attributes every nn.Module has (_parameters, _buffers, _modules, its hook dicts)."""
-    if not _OWN:
-        _OWN.append(frozenset(vars(_torch.nn.Module())))
-    return _OWN[0]
+    return frozenset(vars(_torch.nn.Module()))
 
 
 def lightnings_own_metric(cls: type, original: Any = None) -> str | None:
