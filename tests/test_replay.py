@@ -1757,7 +1757,7 @@ class MaskedPolicy(torch.nn.Module):
         return self.pi(obs).masked_fill(~valid, float("-inf"))
 
 
-def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_xlogy():
+def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_a_fix_with_finite_gradients():
     """PPO's entropy bonus written by hand, -(p * log p).sum(-1), over masked logits: p is 0 and log p -Inf at a masked
     action, and 0 x -Inf is NaN. Categorical.entropy() clamps the logits; the hand-written one does not."""
     policy = MaskedPolicy()
@@ -1773,11 +1773,41 @@ def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_
                 opt.step()
                 opt.zero_grad()
     err, message = info.value, str(info.value)
-    assert err.op == "Tensor.mul" and err.origin[-1].lineno == line_of(
-        test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_xlogy, "ENTROPY"), message
+    here = test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_a_fix_with_finite_gradients
+    assert err.op == "Tensor.mul" and err.origin[-1].lineno == line_of(here, "ENTROPY"), message
     assert "It was created by Tensor.mul (inputs finite but for a mask, output NaN)" in message, message
-    assert "A product is NaN only as 0 x ±Inf" in message and "torch.special.xlogy(p, p)" in message, message
+    assert "A product is NaN only as 0 x ±Inf" in message and "Categorical(logits=...).entropy()" in message, message
+    assert "(torch.special.xlogy(p, p) and entr(p) are 0 there too, but their gradients are NaN.)" in message, message
     assert "was not counted as a cause: the mask made by Tensor.masked_fill at " in message, message
+
+
+_ENTROPIES = {  # an entropy over masked logits, as the product advice above words each
+    "Categorical": lambda logits, valid: torch.distributions.Categorical(logits=logits).entropy(),
+    "finfo.min": lambda logits, valid: -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1),
+    "xlogy": lambda logits, valid: -torch.special.xlogy(logits.softmax(-1), logits.softmax(-1)).sum(-1),
+    "entr": lambda logits, valid: torch.special.entr(logits.softmax(-1)).sum(-1),
+}
+
+
+@pytest.mark.parametrize("how", list(_ENTROPIES))
+def test_the_product_advice_is_true_the_fixes_it_names_train_and_the_ones_it_warns_of_do_not(how):
+    """The advice once named torch.special.xlogy(p, p), which is 0 at p = 0 but whose gradient there is NaN: a user
+    who took it met the same error one op later. Each entropy the advice names is trained on a masked action here."""
+    policy = MaskedPolicy()
+    if how == "finfo.min":  # (the same policy, masking with the dtype's lowest value instead of -inf)
+        policy.forward = lambda obs, valid: policy.pi(obs).masked_fill(~valid, torch.finfo(torch.float32).min)
+    opt = torch.optim.Adam(policy.parameters())
+    valid = torch.ones(4, 5, dtype=torch.bool)
+    valid[1, 3] = False
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) if how in ("xlogy", "entr") else \
+            contextlib.nullcontext() as info:
+        entropy = _ENTROPIES[how](policy(torch.randn(4, 6), valid), valid).mean()
+        (-0.01 * entropy).backward()
+        opt.step()
+    if info is not None:
+        assert "The backward of " in str(info.value) or "The forward made it" in str(info.value), str(info.value)
+    else:
+        assert all(bool(torch.isfinite(p).all()) for p in policy.parameters())
 
 
 def test_a_layer_norm_without_eps_over_a_padding_row_names_the_zero_variance_and_eps():

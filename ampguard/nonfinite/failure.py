@@ -669,8 +669,9 @@ _OP_ADVICE = (
     (re.compile(r"(?<![a-z_])(mul|multiply|matmul|b?mm|einsum|dot)_?\b"), "nan",
      "A product is NaN only as 0 x ±Inf: a factor held ±Inf where the other held 0. Most often that is p * log(p) "
      "at a position a mask set to -Inf (an entropy or a KL over masked logits, where p is 0 and log(p) -Inf). Take "
-     "torch.special.xlogy(p, p), which is 0 where p is 0, or Categorical(logits=...).entropy(), or mask with "
-     "torch.finfo(dtype).min instead of -inf."),
+     "Categorical(logits=...).entropy(), or mask with torch.finfo(dtype).min instead of -inf and multiply by "
+     "log_softmax: both stay finite where p is 0, gradients included. (torch.special.xlogy(p, p) and entr(p) are 0 "
+     "there too, but their gradients are NaN.)"),
     (re.compile(r"(?<![a-z_])(r?sqrt|log|log2|log10|pow)_?\b"), "nan",
      "This op is NaN for a negative input (pow: a negative base to a fractional power). A quantity that is never "
      "negative in exact arithmetic can round below 0 (a variance as E[x^2] - E[x]^2, a squared distance as "
