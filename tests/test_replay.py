@@ -636,7 +636,8 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
         "(inputs finite but for a mask) in module 'attn'" in message, message
     assert "was not counted as a cause: the mask made by torch.nn.functional.multi_head_attention_forward at " \
         f"{__file__}:{line_of(PaddedEncoder.forward, 'PADDED ATTENTION')}." in message, message
-    assert "the backward of MmBackward0 met it among the values the forward saved" in message
+    assert "the backward of MmBackward0 met NaN among the values the forward saved, and finite gradients times it " \
+        "gave NaN (anything times NaN is NaN)" in message
     assert "the backward pass made it" not in message
     assert info.value.origin[-1].line.endswith("# PADDED ATTENTION")
 
@@ -675,7 +676,7 @@ def test_an_inf_in_the_data_that_a_tanh_hides_from_the_loss_is_named_as_the_data
         in message, message
     assert "an input of aten.addmm inside torch.linear in module 'body'" in message, message
     assert "(inputs finite)" not in message and "The forward made it" not in message
-    assert "the backward of AddmmBackward0 met it among the values the forward saved" in message
+    assert "the backward of AddmmBackward0 met +Inf among the values the forward saved" in message
     assert f"  torch.tanh at {__file__}:{line_of(Saturating.forward, 'SATURATED')} took that value and returned " \
         "finite values" in message, message
     assert "torch.tanh hides it from the loss, not from the backward" in message, message
@@ -703,7 +704,7 @@ def test_a_nan_in_the_data_that_nan_to_num_hides_from_the_loss_names_the_nan_to_
     assert "The forward met it: it entered already non-finite (NaN): argument 0 of the call of 'Sequential'" \
         in message, message
     assert f"  Tensor.nan_to_num at {__file__}:{patched} took that value and returned finite values, so the loss " \
-        "stayed finite; the backward of AddmmBackward0 met it" in message, message
+        "stayed finite; the backward of AddmmBackward0 met NaN" in message, message
     assert "Tensor.nan_to_num hides it from the loss, not from the backward" in message, message
     assert "torch.where" not in message and "saturat" not in message, message
 
@@ -1808,6 +1809,32 @@ def test_the_product_advice_is_true_the_fixes_it_names_train_and_the_ones_it_war
         assert "The backward of " in str(info.value) or "The forward made it" in str(info.value), str(info.value)
     else:
         assert all(bool(torch.isfinite(p).all()) for p in policy.parameters())
+
+
+def test_the_where_trick_over_a_masked_probability_names_the_log_the_product_and_the_where():
+    """torch.where(p > 0, p * log(p), 0): the where keeps the forward's NaN (0 x -Inf, at a masked action) from the
+    loss, not from the backward, where the product's gradient meets the -Inf log(p) it saved. The message blamed the
+    product's backward; the replay knows the forward made the -Inf, where it became NaN and what hid it."""
+    policy = MaskedPolicy()
+    opt = torch.optim.Adam(policy.parameters())
+    valid = torch.ones(4, 5, dtype=torch.bool)
+    valid[1, 3] = False
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        p = policy(torch.randn(4, 6), valid).softmax(-1)
+        entropy = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1).mean()  # WHERE TRICK
+        (-0.01 * entropy).backward()
+        opt.step()
+    message = str(info.value)
+    here = test_the_where_trick_over_a_masked_probability_names_the_log_the_product_and_the_where
+    at = f"{__file__}:{line_of(here, 'WHERE TRICK')}"
+    assert info.value.sink == "gradient of parameter 'pi.weight'", message
+    assert f"The forward made it: torch.log created -Inf (inputs finite) at\n    {at} in " in message, message
+    assert f"It became NaN in Tensor.mul at\n    {at} in " in message, message
+    assert f"  torch.where at {at} took that value and returned finite values, so the loss stayed finite; the " \
+        "backward of MulBackward0 met -Inf among the values the forward saved, and finite gradients times it gave " \
+        "NaN (0 x -Inf is NaN). Keep the value finite where it is made: torch.where hides it from the loss, not " \
+        "from the backward." in message, message
+    assert "The loss was finite" not in message, message
 
 
 def test_a_layer_norm_without_eps_over_a_padding_row_names_the_zero_variance_and_eps():

@@ -1041,12 +1041,24 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     if entered is not None:
         keep = f"Keep the input finite where it comes from: {first or 'saturating it'} hides it from the loss, not " \
             "from the backward"
-    else:
+    elif _made_from_a_mask(walked) or not first:
         keep = "Keep the value finite where it is made (a fully masked attention row: mask with a large negative " \
             "number, or give such rows one unmasked key)"
-    lines.append(f"  {why}; the backward of {node} met it among the values the forward saved, and "
-                 f"finite gradients times it gave {report.kinds_words(found['kinds'])} (0 x NaN is NaN). {keep}.")
+    else:
+        keep = f"Keep the value finite where it is made: {first} hides it from the loss, not from the backward"
+    met, made = found["saved"], found["kinds"]
+    lines.append(f"  {why}; the backward of {node} met {report.kinds_words(met)} among the values the forward saved, "
+                 f"and finite gradients times it gave {report.kinds_words(made)} ({_times(met, made)}). {keep}.")
     return op, module, report.stack_summary(user) if user else None, [*lines, *_written_inputs(session, True), *how]
+
+
+def _times(met: frozenset, made: frozenset) -> str:
+    """The arithmetic by which finite gradients times the saved values ``met`` gave ``made``."""
+    if "nan" in met:
+        return "anything times NaN is NaN"
+    if "nan" in made:
+        return f"0 x {report.kinds_words(met - {'nan'}).replace(', ', ' or ')} is NaN"
+    return "a finite value times ±Inf is ±Inf"
 
 
 def _hiders(session: replay.Session, made: int, sink: int) -> tuple[str, str]:

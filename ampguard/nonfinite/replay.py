@@ -872,7 +872,7 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
                 made = frozenset().union(*bad)
                 found.update(node=node.name(), kinds=made, frames=_parse(stack or []),
                              node_id=id(node), function=getattr(node, "_forward_cls", None),
-                             saved=_saved_non_finite(node),
+                             saved=_saved_non_finite(node, "nan" in made),
                              incoming=None if "nan" in made else _largest_incoming(incoming, outgoing, bad))
 
         handles.append(node.register_hook(hook))
@@ -905,10 +905,13 @@ def _largest_incoming(incoming: list, outgoing: list, bad: list) -> tuple | None
     return (max(sizes), dtype) if sizes else None
 
 
-def _saved_non_finite(node: Any) -> bool:
-    """Whether a forward value the node saved for its backward is non-finite (NaN, +Inf): then finite gradients
-    became non-finite by meeting it (0 x NaN), and the value came from the forward."""
+def _saved_non_finite(node: Any, made_nan: bool) -> frozenset:
+    """Which of NaN, +Inf and -Inf the forward values the node saved for its backward hold: then finite gradients
+    became non-finite by meeting them (0 x NaN), and the value came from the forward. -Inf alone counts only where
+    the node made NaN (0 x -Inf): p * log(p) at a masked p of 0, which a torch.where hid from the loss. Where it made
+    ±Inf only, a -Inf it saved is a mask's, and the node's own singularity is the likelier cause."""
     torch = sinks._torch
+    met: set = set()
     for name in dir(node):
         if name.startswith("_saved_"):
             try:
@@ -916,9 +919,9 @@ def _saved_non_finite(node: Any) -> bool:
             except RuntimeError:  # (freed, or saved in a form without a Python view)
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor) and sinks.floating_tensor(t) and kinds(t) - {"-inf"}:
-                    return True
-    return False
+                if isinstance(t, torch.Tensor) and sinks.floating_tensor(t):
+                    met |= kinds(t)
+    return frozenset(met) if made_nan or met - {"-inf"} else frozenset()
 
 
 def first_made(session: Session) -> int | None:
