@@ -17,7 +17,8 @@ fix (option ``lint``, default on). Patch targets, each undone by the registry:
   which it steps the keys of that record in past iterations, so ``unscale_()`` needs no wrapper
   (and where every optimizer it steps is unscaled, no parameter is looked at):
   it runs inside every ``GradScaler.step()``, and a wrapper cost every step some 6,000
-  instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns.
+  instructions. Lightning unscales before it clips, so its ``gradient_clip_val`` never warns; under manual
+  optimization it unscales inside ``opt.step()``, and the warning names the hook to clip in instead.
 - ``autocast.__enter__``: remember, per thread, the dtypes of the enabled autocast regions
   entered with grad enabled, for each device type (evaluation under no_grad is ignored).
 - A global optimizer step pre-hook (on only while ``lint`` is): at an optimizer's first step,
@@ -148,12 +149,41 @@ def _check_clip(g: _guard.Guard, params: list, name: str) -> None:
             continue
         ids = _params_of(state, still_scaled)
         if any(p.grad is not None and id(p) in ids for p in params):
+            called, fix = f"torch.nn.utils.{name}", "call scaler.unscale_(optimizer) right before clipping."
+            manual = _lightning_manual_clip()
+            if manual is not None:
+                called, fix = f"Lightning's {manual}.clip_gradients ({called})", _LIGHTNING_FIX
             _warn_once(g, "clip", (
-                f"ampguard: torch.nn.utils.{name} was called on gradients that a GradScaler has scaled and not yet "
+                f"ampguard: {called} was called on gradients that a GradScaler has scaled and not yet "
                 f"unscaled in this iteration, so the threshold is compared with gradients multiplied by the loss "
-                f"scale ({scaler.get_scale():g}) and clipping is far too strong, or never happens. Fix: call "
-                "scaler.unscale_(optimizer) right before clipping."))
+                f"scale ({scaler.get_scale():g}) and clipping is far too strong, or never happens. Fix: {fix}"))
             return
+
+
+# Lightning's manual optimization unscales inside opt.step() (its precision plugin's optimizer_step), after a
+# clip_gradients in training_step; and a second unscale_() of the user's makes that one raise.
+_LIGHTNING_FIX = ("under manual optimization Lightning unscales the gradients inside opt.step(), after this call and "
+                  "before it calls the on_before_optimizer_step hook. Clip there: def on_before_optimizer_step(self, "
+                  "optimizer): self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...). "
+                  "(An unscale_() of your own before this call makes Lightning's own unscale_() in opt.step() raise.)")
+_LIGHTNING_MODULE_FILES = ("lightning/pytorch/core/module.py", "pytorch_lightning/core/module.py")
+
+
+def _lightning_manual_clip() -> str | None:
+    """The class name of the LightningModule whose ``clip_gradients`` made this clip call under manual
+    optimization, or None. (The warning path only: a walk over the caller's frames.)"""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "clip_gradients" and code.co_filename.replace("\\", "/").endswith(_LIGHTNING_MODULE_FILES):
+            module = frame.f_locals.get("self")
+            if getattr(module, "automatic_optimization", True) is False:
+                return type(module).__name__
+            return None
+        frame = frame.f_back
+    return None
 
 
 def _params_of(state: _State, optimizers: list) -> set[int]:

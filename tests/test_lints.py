@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from loops import data, model
+from loops import data, line_of, model
 
 import ampguard
 
@@ -153,6 +153,58 @@ def test_lightning_gradient_clip_val_under_16_mixed_does_not_warn():
         for _ in range(2):
             scaled_iteration(m, opt, scaler, unscale=False)
     assert len(ours(caught)) == 1
+
+
+
+def manual_clipper(L, where: str):
+    """Manual optimization with clip_gradients in training_step (Lightning's documented example, which clips the
+    still scaled gradients under 16-mixed) or in on_before_optimizer_step (after Lightning's unscale_)."""
+
+    class ManualClip(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch[0]).pow(2).mean())
+            if where == "training_step":
+                self.clip_gradients(opt, gradient_clip_val=0.5)  # MANUAL CLIP
+            opt.step()
+
+        def on_before_optimizer_step(self, optimizer):
+            if where == "hook":
+                self.clip_gradients(optimizer, gradient_clip_val=0.5)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return ManualClip()
+
+
+@pytest.mark.parametrize("where", ["training_step", "hook"])
+def test_lightning_manual_clip_gradients_names_lightning_and_the_hook_where_the_gradients_are_unscaled(where):
+    """Lightning unscales inside opt.step() under manual optimization, so a clip_gradients in training_step clips
+    scaled gradients. The fix said "call scaler.unscale_(optimizer)", which makes Lightning's own unscale_() raise;
+    clipping in on_before_optimizer_step, which the message now names, is silent."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_lightning import fit, scaler_plugin
+
+    ampguard.install()
+    _, found = fit(L, manual_clipper(L, where), plugins=[scaler_plugin(L)])
+    if where == "hook":
+        assert found == []
+        return
+    assert len(found) == 1, [str(w.message) for w in found]
+    message = str(found[0].message)
+    assert "Lightning's ManualClip.clip_gradients (torch.nn.utils.clip_grad_norm_) was called on gradients that a " \
+        "GradScaler has scaled" in message, message
+    assert "Clip there: def on_before_optimizer_step(self, optimizer): self.clip_gradients(" in message, message
+    assert "scaler.unscale_(optimizer) right before" not in message, message
+    assert found[0].filename == __file__ and found[0].lineno == line_of(manual_clipper, "MANUAL CLIP")
 
 
 def fp16_adam_step(eps, dtype=torch.float16):
