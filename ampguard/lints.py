@@ -240,10 +240,26 @@ def eps_message(optimizer: Any) -> str:
             continue  # the fused kernels compute in float32 ("opmath"): eps does not round there
         if eps_rounds_to_zero(eps) and any(p.dtype == torch.float16 for p in group["params"]):
             return (f"the parameters are float16 and {type(optimizer).__name__}'s eps={eps:g} rounds to 0 in float16, "
-                    "so wherever a second moment is 0 the update divides 0 by 0 and the parameters become NaN. Fix: "
-                    "eps=1e-4 or larger, or keep float32 master weights (model.float()) and train under "
-                    "torch.autocast.")
+                    "so wherever a second moment is 0 the update divides by 0: the parameter becomes ±Inf, or NaN "
+                    f"where its gradient was 0 too.{_underflow_words(group)} Fix: eps=1e-4 or larger, or keep float32 "
+                    "master weights (model.float()) and train under torch.autocast.")
     return ""
+
+
+def _underflow_words(group: dict) -> str:
+    """Below which gradient an Adam-like group's first second moment is 0 in float16: (1 - beta2) * g^2 under half
+    of float16's smallest subnormal (2**-24) rounds to 0. With beta2 = 0.999 that is |g| < 5.5e-3, common at a first
+    step."""
+    betas = group.get("betas")
+    try:
+        beta2 = float(betas[1])
+    except (TypeError, IndexError, ValueError):
+        return ""
+    if not 0.0 <= beta2 < 1.0:
+        return ""
+    return (f" A second moment is 0 where every gradient so far was 0, and at the first step wherever |gradient| is below "
+            f"{(2.0**-25 / (1.0 - beta2)) ** 0.5:.2g}: its square times 1 - beta2 ({1.0 - beta2:g}) underflows "
+            "float16.")
 
 
 def _switch_first_step() -> Any:

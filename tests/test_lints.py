@@ -1,6 +1,7 @@
 """Each AMP lint fires once in the bad case, at the user's line, and stays silent in the correct one."""
 
 import importlib
+import re
 import warnings
 
 import pytest
@@ -253,6 +254,25 @@ def test_a_fused_adam_on_float16_parameters_does_not_warn_about_eps_and_does_mak
             opt.zero_grad()
     assert ours(caught) == []
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+def test_the_eps_message_says_what_the_step_makes_below_the_gradient_it_names(beta2):
+    """The message said the update "divides 0 by 0 and the parameters become NaN". At the first step the second
+    moment is 0 wherever (1 - beta2) * g^2 underflows float16, and the parameter becomes ±Inf there: NaN only where
+    the gradient is 0 itself. A Lightning precision="16-true" fit with AdamW showed 528 ±Inf and no NaN."""
+    from ampguard.lints import eps_message
+
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    opt = torch.optim.Adam([param], lr=1e-3, betas=(0.9, beta2))
+    message = eps_message(opt)
+    assert "the update divides by 0: the parameter becomes ±Inf, or NaN where its gradient was 0 too" in message
+    below = float(re.search(r"wherever \|gradient\| is below ([0-9.e+-]+):", message).group(1))
+    assert f"times 1 - beta2 ({1 - beta2:g}) underflows float16" in message, message
+    param.grad = torch.tensor([0.0, 0.9 * below, 1.1 * below], dtype=torch.float16)
+    opt.step()
+    assert param[0].isnan() and param[1].isinf() and param[2].isfinite(), param
 
 
 def test_eps_rounding_is_decided_exactly():
