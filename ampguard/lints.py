@@ -257,8 +257,8 @@ def _underflow_words(group: dict) -> str:
         return ""
     if not 0.0 <= beta2 < 1.0:
         return ""
-    return (f" A second moment is 0 where every gradient so far was 0, and at the first step wherever |gradient| is below "
-            f"{(2.0**-25 / (1.0 - beta2)) ** 0.5:.2g}: its square times 1 - beta2 ({1.0 - beta2:g}) underflows "
+    return (" A second moment is 0 where every gradient so far was 0, and at the first step wherever |gradient| is "
+            f"below {(2.0**-25 / (1.0 - beta2)) ** 0.5:.2g}: its square times 1 - beta2 ({1.0 - beta2:g}) underflows "
             "float16.")
 
 
