@@ -941,11 +941,37 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
         forward = _forward_of(found["node"])
         lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
                  f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}",
-                 *_overflow_lines(found.get("incoming"))]
+                 *_overflow_lines(found.get("incoming")), *_zero_lines(forward, found.get("zeros"))]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, \
         [*lines, *_written_inputs(session, True), *how]
+
+
+# op -> (what its gradient is, and the fix) where the gradient is unbounded at an input of 0
+_UNBOUNDED_AT_0 = {
+    "torch.sqrt": ("1 / (2 sqrt(x)), +Inf at 0", "A norm or distance written by hand, sqrt(sum(d ** 2)), is 0 for a "
+                   "zero vector (a point and itself, a padded row): take torch.linalg.vector_norm or torch.cdist, "
+                   "whose gradient at 0 is 0, or add eps inside the sqrt."),
+    "torch.pow": ("p x^(p-1), unbounded at 0 for a power below 1", "A norm or a root written as a power of a sum of "
+                  "squares is 0 for a zero vector: take torch.linalg.vector_norm, or add eps to the base."),
+    "torch.rsqrt": ("-1 / (2 x^1.5), unbounded at 0", "Add eps before the rsqrt (as layer norms do)."),
+    "torch.log": ("1 / x, unbounded at 0", "Clamp the input (min=eps) before the log, or take log_softmax or "
+                  "logsigmoid instead of the log of a probability."),
+}
+_SAVED_AS = {"self": "its input", "result": "its output", "other": "its second input"}
+
+
+def _zero_lines(forward: str, zeros: list | None) -> list[str]:
+    """What the replay measured where a backward met its op's singularity at 0: which of the values the forward saved
+    held zeros, and how many."""
+    known = _UNBOUNDED_AT_0.get(forward)
+    if known is None or not zeros:
+        return []
+    measured = "; ".join(f"{_SAVED_AS.get(name, name)} was 0 at {n:,} of {total:,} elements"
+                         for name, n, total in zeros)
+    gradient, fix = known
+    return [f"  In the replay {measured}. The gradient of {forward} is {gradient}. {fix}"]
 
 
 def _overflow_lines(incoming: tuple | None) -> list[str]:

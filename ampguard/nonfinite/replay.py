@@ -872,7 +872,7 @@ def backward_origin(session: Session, loss: Any, params: list) -> dict | None:
                 made = frozenset().union(*bad)
                 found.update(node=node.name(), kinds=made, frames=_parse(stack or []),
                              node_id=id(node), function=getattr(node, "_forward_cls", None),
-                             saved=_saved_non_finite(node, "nan" in made),
+                             saved=_saved_non_finite(node, "nan" in made), zeros=_saved_zeros(node),
                              incoming=None if "nan" in made else _largest_incoming(incoming, outgoing, bad))
 
         handles.append(node.register_hook(hook))
@@ -922,6 +922,25 @@ def _saved_non_finite(node: Any, made_nan: bool) -> frozenset:
                 if isinstance(t, torch.Tensor) and sinks.floating_tensor(t):
                     met |= kinds(t)
     return frozenset(met) if made_nan or met - {"-inf"} else frozenset()
+
+
+def _saved_zeros(node: Any) -> list[tuple[str, int, int]]:
+    """(name, zeros, elements) of each floating value the node saved that holds exact zeros: where the gradient of a
+    sqrt, log, rsqrt or fractional power is unbounded, the replay's measure of the singularity it met."""
+    torch = sinks._torch
+    found = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:
+                continue
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                with torch._C.DisableTorchFunction():
+                    zeros = int((sinks.stored(value.detach()) == 0).sum())
+                if zeros:
+                    found.append((name.removeprefix("_saved_"), zeros, value.numel()))
+    return found
 
 
 def first_made(session: Session) -> int | None:
