@@ -928,6 +928,10 @@ def _saved_zeros(node: Any) -> list[tuple[str, int, int]]:
     """(name, zeros, elements) of each floating value the node saved that holds exact zeros: where the gradient of a
     sqrt, log, rsqrt or fractional power is unbounded, the replay's measure of the singularity it met."""
     torch = sinks._torch
+    if node.name().startswith("PowBackward"):
+        exponent = getattr(node, "_saved_exponent", None)
+        if not (isinstance(exponent, (int, float)) and exponent < 1):
+            return []  # a pow is singular at 0 for a power below 1 only (a tensor's power is not judged)
     found = []
     for name in dir(node):
         if name.startswith("_saved_"):
