@@ -315,44 +315,60 @@ def test_checkpoint_re_runs_do_not_become_roots_and_names_stay_dotted():
 
 
 
-def _triplet_step(embed, guarded_log=False):
+def _triplet_step(embed, how="sqrt"):
     """A triplet loss whose first 4 positives are their anchors: a distance of a point to itself, sqrt(0)."""
     torch.manual_seed(0)
     a = torch.randn(16, 8)
     p = torch.cat([a[:4], torch.randn(12, 8)])
     ea, ep, en = embed(a), embed(p), embed(torch.randn(16, 8))
-    if guarded_log:
+    if how == "log under where":
         sq = (ea - ep).pow(2).sum(-1)
         loss = torch.where(sq > 0, sq.log(), torch.zeros_like(sq)).mean()  # GUARDED LOG
     else:
-        d_ap = (ea - ep).pow(2).sum(-1).sqrt()  # DISTANCE
+        sq = (ea - ep).pow(2).sum(-1)
+        d_ap = sq.sqrt() if how == "sqrt" else sq.pow(0.5)  # DISTANCE
         loss = torch.relu(d_ap - (ea - en).pow(2).sum(-1).sqrt() + 1.0).mean()
     loss.backward()
     torch.optim.SGD(embed.parameters(), lr=0.1).step()
 
 
-@pytest.mark.parametrize("guarded_log", [False, True], ids=["sqrt", "log under where"])
-def test_a_singularity_met_in_backward_says_how_many_inputs_were_0_and_the_fix_for_that_op(guarded_log):
+@pytest.mark.parametrize("how", ["sqrt", "pow 0.5", "log under where"])
+def test_a_singularity_met_in_backward_says_how_many_inputs_were_0_and_the_fix_for_that_op(how):
     """The message named the op and said "look for ops with unbounded gradients (sqrt or pow at 0, ...)". The replay
     can measure the values the op saved: the distance was 0 for the 4 anchors that are their own positives."""
     embed = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
-        _triplet_step(embed, guarded_log)
+        _triplet_step(embed, how)
     err, message = info.value, str(info.value)
-    if guarded_log:
+    if how == "log under where":
         assert err.op == "torch.log" and err.origin[-1].lineno == line_of(_triplet_step, "GUARDED LOG"), message
         assert "  In the replay its input was 0 at 4 of 16 elements. The gradient of torch.log is 1 / x, unbounded " \
             "at 0. Clamp the input (min=eps) before the log" in message, message
-    else:
-        assert err.op == "torch.sqrt" and err.origin[-1].lineno == line_of(_triplet_step, "DISTANCE"), message
-        assert "  In the replay its output was 0 at 4 of 16 elements. The gradient of torch.sqrt is 1 / (2 sqrt(x)), " \
-            "+Inf at 0." in message, message
-        assert "take torch.linalg.vector_norm or torch.cdist, whose gradient at 0 is 0" in message, message
-        # and the fix it names trains: vector_norm's gradient at a zero vector is 0
-        embed.zero_grad()
-        torch.linalg.vector_norm(embed(torch.zeros(2, 8)) - embed(torch.zeros(2, 8)), dim=-1).sum().backward()
-        assert all(bool(torch.isfinite(q.grad).all()) for q in embed.parameters())
+        return
+    assert err.origin[-1].lineno == line_of(_triplet_step, "DISTANCE"), message
+    if how == "pow 0.5":
+        assert err.op == "torch.pow", message
+        assert "  In the replay its input was 0 at 4 of 16 elements. The gradient of torch.pow is p x^(p-1), " \
+            "unbounded at 0 for a power below 1." in message, message
+        return
+    assert err.op == "torch.sqrt", message
+    assert "  In the replay its output was 0 at 4 of 16 elements. The gradient of torch.sqrt is 1 / (2 sqrt(x)), " \
+        "+Inf at 0." in message, message
+    assert "take torch.linalg.vector_norm or torch.cdist, whose gradient at 0 is 0" in message, message
+    # and the fix it names trains: vector_norm's gradient at a zero vector is 0
+    embed.zero_grad()
+    torch.linalg.vector_norm(embed(torch.zeros(2, 8)) - embed(torch.zeros(2, 8)), dim=-1).sum().backward()
+    assert all(bool(torch.isfinite(q.grad).all()) for q in embed.parameters())
 
+
+def test_a_square_of_a_zero_difference_is_not_called_a_singularity():
+    """x ** 2 at 0 has a gradient of 0: a pow whose base held zeros is judged only for a power below 1."""
+    from ampguard.nonfinite.replay import _saved_zeros
+
+    x = torch.zeros(3, requires_grad=True)
+    assert _saved_zeros(x.pow(2).grad_fn) == [] and _saved_zeros(x.pow(torch.tensor(0.5)).grad_fn) == []
+    assert _saved_zeros(x.pow(0.5).grad_fn) == [("self", 3, 3)]
+    assert _saved_zeros(x.sqrt().grad_fn) == [("result", 3, 3)]
 
 class SqrtBlock(torch.nn.Module):
     def __init__(self, bad=False):
