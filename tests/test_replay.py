@@ -2103,6 +2103,36 @@ def test_data_that_overflows_float16_under_autocast_says_how_large_it_was():
     assert "In float16 that is an activation above 65504" in message, message
 
 
+
+class UnscaledAttention(torch.nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2)  # NO 1/sqrt(d)
+        return self.o(scores.softmax(-1) @ v)
+
+
+def test_an_attention_score_overflow_names_q_and_k_by_the_calls_that_made_them_not_by_matmuls_own_views():
+    """A matmul of 3-D tensors runs bmm on views it makes of its inputs: the overflow line named "the output of
+    aten.view inside Tensor.matmul" twice. It now names what the matmul was given: the chunk and the transpose."""
+    model = UnscaledAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(2, 16, 64) * 100)
+        out.float().pow(2).mean().backward()
+        opt.step()
+    message = str(info.value)
+    assert info.value.origin[-1].lineno == line_of(UnscaledAttention.forward, "NO 1/sqrt(d)"), message
+    assert "it overflowed. Their largest |x|: the output of aten.split inside Tensor.chunk 221, the output of " \
+        "Tensor.transpose 188." in message, message
+    assert "inside Tensor.matmul 2" not in message and "inside Tensor.matmul 1" not in message, message
+
+
 def test_an_inf_at_a_singularity_is_not_called_an_overflow():
     """x / 0, log(0), 0 ** -1, the log-determinant or the inverse of a singular matrix make ±Inf from small finite
     inputs: no result passed a dtype's largest value. A division by 0 says so."""

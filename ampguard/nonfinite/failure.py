@@ -719,7 +719,7 @@ def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> li
         tensor = ref()
         name = names.get(id(tensor)) if tensor is not None else None  # (a parameter: also its autocast copy)
         if name is None and producer is not None:
-            name = f"the output of {_label(session.records[producer])[0]}"
+            name = f"the output of {_label(session.records[_outside(session, rec, producer)])[0]}"
         sizes.append(f"{name or _leaf_name(session, names, tensor)} {amax:.3g}")
     lines = [f"  Its inputs were finite, so the result passed the largest {dtype} value ({limit:.4g}): it overflowed. "
              f"Their largest |x|: {', '.join(sizes)}."]
@@ -733,6 +733,18 @@ def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> li
                      "loss rising), or data far from unit scale. Lower the learning rate, clip the gradients "
                      "(clip_grad_norm_), or normalize the inputs.")
     return lines
+
+
+def _outside(session: replay.Session, rec: replay.OpRecord, producer: int) -> int:
+    """The record that made what ``rec``'s torch call was given, past the views and copies the call made of it
+    itself: a matmul's bmm reads views that the matmul made of q and k, which were the user's chunk and transpose."""
+    records = session.records
+    for _ in range(16):
+        made = records[producer]
+        if rec.fn is None or made.fn is not rec.fn or made.call != rec.call or not made.inputs:
+            break
+        producer = made.inputs[0]
+    return producer
 
 
 def _outside_domain(rec: replay.OpRecord) -> list[str]:

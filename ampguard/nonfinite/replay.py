@@ -40,8 +40,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("constant", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest", "leaves",
-                 "module", "name", "numbers", "ref", "root", "shape")
+    __slots__ = ("call", "constant", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest",
+                 "leaves", "module", "name", "numbers", "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -59,6 +59,7 @@ class OpRecord:
         self.dtype = dtype
         self.numbers = numbers  # non-finite Python numbers among its arguments (x * float("nan"))
         self.event = -1  # the window event it ran in
+        self.call = 0  # which top-level torch call ran it (Session.calls then): one number for a composite's ops
         # where it made ±Inf from finite inputs: its first tensor inputs and their largest |x| (see _largest)
         self.largest: tuple | None = None
         self.domain: tuple[float, float] | None = None  # where it made NaN outside its domain: its input's (min, max)
@@ -73,6 +74,7 @@ class Session:
         self.leaf_kinds: dict[int, tuple[Any, frozenset]] = {}
         self.cast_of: dict[int, tuple[Any, Any]] = {}  # id(a parameter's copy in another dtype) -> (it, the parameter)
         self.fn: Any = None  # the top-level torch function running now
+        self.calls = 0  # top-level torch calls so far: the ops of one call share its number (OpRecord.call)
         self.frames: tuple | None = None  # recorded frames of the loss-code op being replayed
         self.stop: Any = None  # the code object at which frame walks stop (the replay driver)
         self.mapping: dict[int, Any] = {}  # id(input tensor from outside the window) -> its copy
@@ -215,6 +217,7 @@ class Session:
         record = OpRecord(name, fn, frames, module, root, tuple(inputs), leaves, found, weakref.ref(tensor),
                           sinks.shape_of(tensor), tensor.dtype, constant, numbers)
         record.event = self.event
+        record.call = self.calls
         self.producer[id(tensor)] = (weakref.ref(tensor), len(self.records))
         self.records.append(record)
 
@@ -311,6 +314,8 @@ def _modes(session: Session) -> Any:
     class Names(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             outer, session.fn = session.fn, func if session.fn is None else session.fn
+            if outer is None:
+                session.calls += 1
             try:
                 out = func(*args, **(kwargs or {}))
             finally:
