@@ -965,8 +965,9 @@ _UNBOUNDED_AT_0 = {
     "torch.sqrt": ("1 / (2 sqrt(x)), +Inf at 0", "A norm or distance written by hand, sqrt(sum(d ** 2)), is 0 for a "
                    "zero vector (a point and itself, a padded row): take torch.linalg.vector_norm or torch.cdist, "
                    "whose gradient at 0 is 0, or add eps inside the sqrt."),
-    "torch.pow": ("p x^(p-1), unbounded at 0 for a power below 1", "A norm or a root written as a power of a sum of "
-                  "squares is 0 for a zero vector: take torch.linalg.vector_norm, or add eps to the base."),
+    "torch.pow": ("a x^(a-1) for x ** a, unbounded at 0 for a power a below 1", "Clamp the base (min=eps) before "
+                  "the power: a focal loss's (1 - p) ** gamma meets 0 where p rounds to 1. A norm written as a power "
+                  "of a sum of squares: take torch.linalg.vector_norm, whose gradient at 0 is 0."),
     "torch.rsqrt": ("-1 / (2 x^1.5), unbounded at 0", "Add eps before the rsqrt (as layer norms do)."),
     "torch.log": ("1 / x, unbounded at 0", "Clamp the input (min=eps) before the log, or take log_softmax or "
                   "logsigmoid instead of the log of a probability."),
