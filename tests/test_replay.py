@@ -2002,6 +2002,28 @@ def test_an_empty_mean_is_named_with_the_count_that_was_0(made_by, op, advice, t
     assert err.op == op and advice in message, message
 
 
+
+def _standardized_targets(out):
+    y = torch.randn(out.shape[0], 3)
+    y[:, 1] = 3.0  # a constant target column
+    z = (y - y.mean(0)) / y.std(0)  # STANDARDIZE
+    return torch.nn.functional.mse_loss(out, z)
+
+
+def test_a_0_over_0_division_names_its_divisor_and_how_many_of_its_values_were_0():
+    """Standardizing by a std that is 0 (a constant column) is 0/0. The advice named counts and norms; the replay
+    measured the divisor: which call made it, and how many of its values were 0."""
+    err, message = _error_of_a_step(_standardized_targets, width=3)
+    at = f"{__file__}:{line_of(_standardized_targets, 'STANDARDIZE')}"
+    assert err.op == "Tensor.div" and err.origin[-1].lineno == line_of(_standardized_targets, "STANDARDIZE"), message
+    assert f"  Its divisor, the output of Tensor.std at {at}, was 0 at 1 of 3 elements." in message, message
+    assert "  Tensor.std is 0 over values that are all equal: a constant feature or target column" in message, message
+    _, message = _error_of_a_step(lambda out: _masked_mean(out, torch.zeros(2, 2)), width=2)
+    assert f"  Its divisor, the output of Tensor.sum at {__file__}:{line_of(_masked_mean, '0/0')}, was 0 at 1 of 1 " \
+        "elements." in message, message
+    assert "is 0 over values that are all equal" not in message, message
+
+
 def _hand_written_softmax(logits):
     e = torch.exp(logits)  # EXP LINE (overflows above 88.7 in float32)
     return e / e.sum(-1, keepdim=True)  # DIV LINE (Inf / Inf)

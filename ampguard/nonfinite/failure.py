@@ -582,6 +582,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
     if entered is None:
         lines.extend(_outside_domain(rec))
         lines.extend(_op_advice(label, rec.kinds))
+        lines.extend(_divisor_lines(session, names, rec))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
                      "for a softmax to normalize, and becomes NaN: mask with a large negative number "
@@ -762,6 +763,29 @@ def _outside_domain(rec: replay.OpRecord) -> list[str]:
             f"error is some {eps} ({dtype}) of the values it was computed from; a value far below that is a quantity "
             "of the wrong sign, which a clamp would hide: make it positive by construction (softplus or exp of a "
             "learned value, a square)."]
+
+
+_SPREADS = re.compile(r"(?<![a-z_])(std|var)(_mean)?\b")  # the divisors that are 0 over values that are all equal
+
+
+def _divisor_lines(session: replay.Session, names: dict, rec: replay.OpRecord) -> list[str]:
+    """What the replay measured of a division that made NaN from finite inputs (0/0): how many of its divisor's
+    values were 0, and what made it; a std or variance is 0 over values that are all equal (a constant column)."""
+    if rec.divisor is None:
+        return []
+    ref, producer, zeros, total = rec.divisor
+    if producer is not None:
+        made = session.records[_outside(session, rec, producer)]
+        label, at = _call_at(made)
+        what = f"the output of {at}"
+    else:
+        made, label, what = None, "", _leaf_name(session, names, ref())
+    lines = [f"  Its divisor, {what}, was 0 at {zeros:,} of {total:,} elements."]
+    if made is not None and _SPREADS.search(made.name):
+        lines.append(f"  {label} is 0 over values that are all equal: a constant feature or target column, or a "
+                     "group of one element with correction=0. Divide by it plus eps, or by .clamp(min=eps); leave "
+                     "constant columns out.")
+    return lines
 
 
 def _op_advice(label: str, kinds: Any) -> list[str]:

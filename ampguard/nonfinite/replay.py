@@ -40,8 +40,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("call", "constant", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds", "largest",
-                 "leaves", "module", "name", "numbers", "ref", "root", "shape")
+    __slots__ = ("call", "constant", "divisor", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds",
+                 "largest", "leaves", "module", "name", "numbers", "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -63,6 +63,9 @@ class OpRecord:
         # where it made ±Inf from finite inputs: its first tensor inputs and their largest |x| (see _largest)
         self.largest: tuple | None = None
         self.domain: tuple[float, float] | None = None  # where it made NaN outside its domain: its input's (min, max)
+        # where a division made NaN from finite inputs (0/0): (weakref to the divisor, the record that made it or None,
+        # its zeros, its elements)
+        self.divisor: tuple | None = None
 
 
 class Session:
@@ -180,6 +183,9 @@ class Session:
         if op.rstrip("_") in _DOMAIN and tensors and not leaves and not numbers and "nan" in self.records[-1].kinds \
                 and not any(self.records[i].kinds for i in inputs):
             self.records[-1].domain = _range(tensors[0])
+        if op.rstrip("_") in _DIVISIONS and len(tensors) == 2 and not leaves and not numbers and \
+                "nan" in self.records[-1].kinds and not any(self.records[i].kinds for i in inputs):
+            self.records[-1].divisor = self._zeros_of(tensors[1])
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
 
@@ -199,6 +205,17 @@ class Session:
                 base = cast[1]()
             found.append((weakref.ref(base), self.producer_of(t), *size))
         return tuple(found)
+
+    def _zeros_of(self, tensor: Any) -> tuple | None:
+        """(weakref, the record that made it or None, its zeros, its elements) of a division's divisor, where the
+        division made NaN from finite inputs: which of its values were 0, and what made them. The failure path."""
+        torch = sinks._torch
+        with torch._C.DisableTorchFunction():
+            values = sinks.stored(tensor.detach())
+            if not values.numel():
+                return None
+            zeros = int((values == 0).sum())
+        return (weakref.ref(tensor), self.producer_of(tensor), zeros, values.numel()) if zeros else None
 
     def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
         """An in-place op wrote into a copy of a call's input (or a view of one): the call writes into its input."""
@@ -239,6 +256,7 @@ class Session:
 _INFS = frozenset(("inf", "-inf"))
 _LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
 # ops NaN outside their domain: below 0 (a root, a log, a fractional power of a negative base), outside [-1, 1]
+_DIVISIONS = frozenset(("div", "divide", "true_divide"))
 _DOMAIN = frozenset(("sqrt", "rsqrt", "log", "log2", "log10", "pow", "acos", "asin", "arccos", "arcsin"))
 
 
