@@ -28,7 +28,7 @@ import sys
 import warnings
 import weakref
 from collections import UserDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from copy import copy as shallow_copy
 from typing import Any
 
@@ -209,13 +209,8 @@ class Session:
     def _zeros_of(self, tensor: Any) -> tuple | None:
         """(weakref, the record that made it or None, its zeros, its elements) of a division's divisor, where the
         division made NaN from finite inputs: which of its values were 0, and what made them. The failure path."""
-        torch = sinks._torch
-        with torch._C.DisableTorchFunction():
-            values = sinks.stored(tensor.detach())
-            if not values.numel():
-                return None
-            zeros = int((values == 0).sum())
-        return (weakref.ref(tensor), self.producer_of(tensor), zeros, values.numel()) if zeros else None
+        zeros = measured(tensor, _zeros)
+        return (weakref.ref(tensor), self.producer_of(tensor), *zeros) if zeros and zeros[0] else None
 
     def _note_written(self, outputs: list, name: str, frames: tuple) -> None:
         """An in-place op wrote into a copy of a call's input (or a view of one): the call writes into its input."""
@@ -260,27 +255,29 @@ _DIVISIONS = frozenset(("div", "divide", "true_divide"))
 _DOMAIN = frozenset(("sqrt", "rsqrt", "log", "log2", "log10", "pow", "acos", "asin", "arccos", "arcsin"))
 
 
+def measured(tensor: Any, measure: Callable[[Any], Any]) -> Any:
+    """``measure`` of the values a tensor stores (a sparse tensor's values, a complex one's parts), outside the
+    replay's own record, or None where it stores none. The failure path only: each reads the device."""
+    with sinks._torch._C.DisableTorchFunction():
+        values = sinks.stored(tensor.detach())
+        return measure(values) if values.numel() else None
+
+
 def _range(tensor: Any) -> tuple[float, float] | None:
     """(min, max) of an op's first input where the op made NaN from finite inputs outside its domain, to tell a
-    value that rounding took past the bound from one far past it. The failure path only."""
-    torch = sinks._torch
-    with torch._C.DisableTorchFunction():
-        values = sinks.stored(tensor.detach())
-        if not values.numel() or values.is_complex():
-            return None
-        low, high = (float(v) for v in torch.aminmax(values.float()))
-        return (low, high) if math.isfinite(low) and math.isfinite(high) else None  # (an in-place op: written over)
+    value that rounding took past the bound from one far past it."""
+    found = measured(tensor, lambda v: None if v.is_complex() else tuple(map(float, sinks._torch.aminmax(v.float()))))
+    return found if found and math.isfinite(found[0]) and math.isfinite(found[1]) else None  # (written over in place)
 
 
 def _largest_abs(tensor: Any) -> tuple[float, bool] | None:
-    """(the largest |x| of a tensor, whether it holds a 0), or None where it stores no value: the failure path, to
-    tell an overflow from a singularity."""
-    torch = sinks._torch
-    with torch._C.DisableTorchFunction():
-        values = sinks.stored(tensor.detach())  # (a sparse tensor's values, a complex one's parts)
-        if not values.numel():
-            return None
-        return float(values.abs().amax()), bool((values == 0).any())
+    """(the largest |x| of a tensor, whether it holds a 0), to tell an overflow from a singularity."""
+    return measured(tensor, lambda v: (float(v.abs().amax()), bool((v == 0).any())))
+
+
+def _zeros(values: Any) -> tuple[int, int]:
+    """(zeros, elements): where a division's divisor or a singular op's saved input was 0."""
+    return int((values == 0).sum()), values.numel()
 
 
 def kinds(tensor: Any) -> frozenset:
@@ -962,11 +959,10 @@ def _saved_zeros(node: Any) -> list[tuple[str, int, int]]:
                 value = getattr(node, name)
             except RuntimeError:
                 continue
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                with torch._C.DisableTorchFunction():
-                    zeros = int((sinks.stored(value.detach()) == 0).sum())
-                if zeros:
-                    found.append((name.removeprefix("_saved_"), zeros, value.numel()))
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                zeros = measured(value, _zeros)
+                if zeros and zeros[0]:
+                    found.append((name.removeprefix("_saved_"), *zeros))
     return found
 
 
