@@ -1886,6 +1886,9 @@ def test_the_where_trick_over_a_masked_probability_names_the_log_the_product_and
     assert info.value.sink == "gradient of parameter 'pi.weight'", message
     assert f"The forward made it: torch.log created -Inf (inputs finite) at\n    {at} in " in message, message
     assert f"It became NaN in Tensor.mul at\n    {at} in " in message, message
+    # (the 0 is a masked action's probability, not one that underflowed: log_softmax, the underflow's fix, is -Inf too)
+    assert "  Its input was the softmax of logits a mask set to -Inf: that probability is exactly 0" in message, message
+    assert "Take log_softmax or logsigmoid instead" not in message, message
     assert f"  torch.where at {at} took that value and returned finite values, so the loss stayed finite; the " \
         "backward of MulBackward0 met -Inf among the values the forward saved, and finite gradients times it gave " \
         "NaN (0 x -Inf is NaN). Keep the value finite where it is made: torch.where hides it from the loss, not " \

@@ -581,7 +581,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if entered is None:
         lines.extend(_outside_domain(rec))
-        lines.extend(_op_advice(label, rec.kinds))
+        lines.extend(_op_advice(label, rec.kinds, _masked_probability(session, rec)))
         lines.extend(_divisor_lines(session, names, rec))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
@@ -788,9 +788,30 @@ def _divisor_lines(session: replay.Session, names: dict, rec: replay.OpRecord) -
     return lines
 
 
-def _op_advice(label: str, kinds: Any) -> list[str]:
-    """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs."""
+def _op_advice(label: str, kinds: Any, masked: bool = False) -> list[str]:
+    """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs; ``masked``: a log whose
+    0 was a masked position's probability (see _masked_probability), for which log_softmax is no fix."""
+    if masked and _LOG.search(label) and "-inf" in kinds:
+        return [_LOG_OF_A_MASKED_PROBABILITY]
     return [f"  {advice}" for pattern, kind, advice in _OP_ADVICE if kind in kinds and pattern.search(label)]
+
+
+_LOG = re.compile(r"(?<![a-z_])(log|log2|log10)_?\b")
+_LOG_OF_A_MASKED_PROBABILITY = (
+    "  Its input was the softmax of logits a mask set to -Inf: that probability is exactly 0, and log(0) is -Inf, "
+    "whatever the precision (log_softmax is -Inf there too). For an entropy take Categorical(logits=...).entropy(); "
+    "otherwise mask with torch.finfo(dtype).min instead of -inf and take log_softmax, or clamp the probability "
+    "(min=eps) before the log.")
+
+
+def _masked_probability(session: replay.Session, rec: replay.OpRecord) -> bool:
+    """Whether the op's first input was made by a softmax of an input that held -Inf (a masked logit), so that its 0s
+    are masked positions' probabilities, not ones that underflowed."""
+    if not rec.inputs:
+        return False
+    made = session.records[rec.inputs[0]]
+    return "softmax" in made.name and "log" not in made.name and \
+        any("-inf" in session.records[i].kinds for i in made.inputs)
 
 
 _NORMALIZES = re.compile(r"softmax|logsumexp|scaled_dot_product_attention|multi_head_attention")
@@ -1089,7 +1110,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds),
+                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds, _masked_probability(session, rec)),
                  *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
