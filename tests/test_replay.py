@@ -2027,6 +2027,42 @@ def test_a_0_over_0_division_names_its_divisor_and_how_many_of_its_values_were_0
     assert "is 0 over values that are all equal" not in message, message
 
 
+
+def _log_spectrum_loss(out):
+    target = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0, -2.0]]).expand(out.shape[0], -1)  # zero-mean: its DC bin is 0
+    return torch.nn.functional.l1_loss(torch.log(torch.fft.rfft(out).abs()),
+                                       torch.log(torch.fft.rfft(target).abs()))  # LOG SPECTRUM
+
+
+def test_a_log_of_a_zero_in_the_target_is_the_origin_not_a_mask():
+    """A log-magnitude spectral loss of a zero-mean target: its DC bin is 0, and its log -Inf. The -Inf depends on
+    no parameter, as a mask's does, and the message named the loss's subtraction, with "the mask made by torch.log"
+    set aside. A log of data that held 0s among other values is no mask."""
+    err, message = _error_of_a_step(_log_spectrum_loss, width=6)
+    assert err.op == "torch.log" and "It was created by torch.log (inputs finite, output -Inf)" in message, message
+    assert err.origin[-1].lineno == line_of(_log_spectrum_loss, "LOG SPECTRUM"), message
+    assert "It became +Inf in aten.sub inside torch.nn.functional.l1_loss" in message, message
+    assert "was not counted as a cause" not in message, message
+    assert "  log(0) is -Inf: its input held 0. Where that 0 is in the data (a magnitude, a count, a target " \
+        "probability), clamp it (min=eps) or add eps before the log." in message, message
+
+
+def _log_masked_scores(out):
+    keep = torch.ones(out.shape[0], 3)
+    keep[1] = 0.0  # a row with nothing to attend to
+    scores = out[:, :3] + torch.log(keep)  # LOG OF A 0/1 MASK
+    return scores.softmax(-1).sum()
+
+
+def test_a_log_of_a_0_1_mask_is_still_a_mask():
+    """Some code builds its additive mask as log(keep): its -Inf is on purpose, and the fully masked row's softmax is
+    the origin, as with masked_fill(-inf)."""
+    err, message = _error_of_a_step(_log_masked_scores, width=3)
+    assert err.op == "Tensor.softmax" and "(inputs finite but for a mask, output NaN)" in message, message
+    assert f"the mask made by torch.log at {__file__}:{line_of(_log_masked_scores, 'LOG OF A 0/1 MASK')}" in message, \
+        message
+
+
 def _hand_written_softmax(logits):
     e = torch.exp(logits)  # EXP LINE (overflows above 88.7 in float32)
     return e / e.sum(-1, keepdim=True)  # DIV LINE (Inf / Inf)

@@ -581,7 +581,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if entered is None:
         lines.extend(_outside_domain(rec))
-        lines.extend(_op_advice(label, rec.kinds, _masked_probability(session, rec)))
+        lines.extend(_op_advice(label, rec.kinds, _log_input(session, rec)))
         lines.extend(_divisor_lines(session, names, rec))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
@@ -788,30 +788,43 @@ def _divisor_lines(session: replay.Session, names: dict, rec: replay.OpRecord) -
     return lines
 
 
-def _op_advice(label: str, kinds: Any, masked: bool = False) -> list[str]:
-    """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs; ``masked``: a log whose
-    0 was a masked position's probability (see _masked_probability), for which log_softmax is no fix."""
-    if masked and _LOG.search(label) and "-inf" in kinds:
-        return [_LOG_OF_A_MASKED_PROBABILITY]
+def _op_advice(label: str, kinds: Any, log_input: str | None = None) -> list[str]:
+    """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs. A log that made -Inf is
+    advised by what its input was (see _log_input): log_softmax fixes a probability that underflowed, not a masked
+    one, nor a 0 in the data."""
+    if _LOG.search(label) and "-inf" in kinds and log_input != "probability":
+        return [_LOG_OF_A_MASKED_PROBABILITY if log_input == "masked" else _LOG_OF_A_ZERO]
     return [f"  {advice}" for pattern, kind, advice in _OP_ADVICE if kind in kinds and pattern.search(label)]
 
 
 _LOG = re.compile(r"(?<![a-z_])(log|log2|log10)_?\b")
+# ops that select, reshape or copy values without computing new ones
+_MOVES = re.compile(r"select|slice|index|gather|narrow|view|unsafe_view|reshape|squeeze|unsqueeze|expand|permute|"
+                    r"transpose|t|clone|contiguous|to_copy|alias|unbind|split|flatten|detach|lift_fresh")
 _LOG_OF_A_MASKED_PROBABILITY = (
     "  Its input was the softmax of logits a mask set to -Inf: that probability is exactly 0, and log(0) is -Inf, "
     "whatever the precision (log_softmax is -Inf there too). For an entropy take Categorical(logits=...).entropy(); "
     "otherwise mask with torch.finfo(dtype).min instead of -inf and take log_softmax, or clamp the probability "
     "(min=eps) before the log.")
+_LOG_OF_A_ZERO = (
+    "  log(0) is -Inf: its input held 0. Where that 0 is in the data (a magnitude, a count, a target probability), "
+    "clamp it (min=eps) or add eps before the log. Where it is a probability that underflowed (below 1e-45 in "
+    "float32, 6e-8 in float16), take log_softmax or logsigmoid instead of the log of softmax or sigmoid.")
 
 
-def _masked_probability(session: replay.Session, rec: replay.OpRecord) -> bool:
-    """Whether the op's first input was made by a softmax of an input that held -Inf (a masked logit), so that its 0s
-    are masked positions' probabilities, not ones that underflowed."""
+def _log_input(session: replay.Session, rec: replay.OpRecord) -> str | None:
+    """What the op's first input was: "masked", a softmax of an input that held -Inf (a masked logit: its 0s are
+    masked positions' probabilities); "probability", a softmax's or sigmoid's output (its 0s underflowed); None."""
     if not rec.inputs:
-        return False
+        return None
     made = session.records[rec.inputs[0]]
-    return "softmax" in made.name and "log" not in made.name and \
-        any("-inf" in session.records[i].kinds for i in made.inputs)
+    for _ in range(8):  # back through what selects, reshapes or copies it: p[:, 0], p.view(-1), p.float()
+        if not _MOVES.fullmatch(made.name.partition(".")[2].strip("_")) or not made.inputs:
+            break
+        made = session.records[made.inputs[0]]
+    if "softmax" in made.name and "log" not in made.name:
+        return "masked" if any("-inf" in session.records[i].kinds for i in made.inputs) else "probability"
+    return "probability" if "sigmoid" in made.name else None
 
 
 _NORMALIZES = re.compile(r"softmax|logsumexp|scaled_dot_product_attention|multi_head_attention")
@@ -1110,7 +1123,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds, _masked_probability(session, rec)),
+                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds, _log_input(session, rec)),
                  *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))

@@ -40,8 +40,8 @@ FRAMES = 40  # user frames kept per replayed op
 
 
 class OpRecord:
-    __slots__ = ("call", "constant", "divisor", "domain", "dtype", "event", "fn", "frames", "inputs", "kinds",
-                 "largest", "leaves", "module", "name", "numbers", "ref", "root", "shape")
+    __slots__ = ("binary", "call", "constant", "divisor", "domain", "dtype", "event", "fn", "frames", "inputs",
+                 "kinds", "largest", "leaves", "module", "name", "numbers", "ref", "root", "shape")
 
     def __init__(self, name: str, fn: Any, frames: tuple, module: Any, root: Any, inputs: tuple, leaves: tuple,
                  kinds: frozenset, ref: Any, shape: Any, dtype: Any, constant: bool, numbers: tuple) -> None:
@@ -66,6 +66,9 @@ class OpRecord:
         # where a division made NaN from finite inputs (0/0): (weakref to the divisor, the record that made it or None,
         # its zeros, its elements)
         self.divisor: tuple | None = None
+        # where a log made -Inf from finite inputs: whether its input held only 0s and 1s (log of a 0/1 mask, made on
+        # purpose), not a magnitude, a count or a target probability that was 0
+        self.binary: bool | None = None
 
 
 class Session:
@@ -178,8 +181,9 @@ class Session:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
         if made_inf and not leaves and not numbers and not any(self.records[i].kinds for i in inputs):
             largest = self._largest(tensors[:_LARGEST_OF])
+            binary = measured(tensors[0], _binary) if _LOGS.fullmatch(op.rstrip("_")) and tensors else None
             for r in made_inf:
-                r.largest = largest
+                r.largest, r.binary = largest, binary
         if op.rstrip("_") in _DOMAIN and tensors and not leaves and not numbers and "nan" in self.records[-1].kinds \
                 and not any(self.records[i].kinds for i in inputs):
             self.records[-1].domain = _range(tensors[0])
@@ -273,6 +277,14 @@ def _range(tensor: Any) -> tuple[float, float] | None:
 def _largest_abs(tensor: Any) -> tuple[float, bool] | None:
     """(the largest |x| of a tensor, whether it holds a 0), to tell an overflow from a singularity."""
     return measured(tensor, lambda v: (float(v.abs().amax()), bool((v == 0).any())))
+
+
+_LOGS = re.compile(r"log(2|10)?")
+
+
+def _binary(values: Any) -> bool:
+    """Whether a tensor holds only 0s and 1s (a mask, before a log made -Inf of its 0s)."""
+    return bool(((values == 0) | (values == 1)).all())
 
 
 def _zeros(values: Any) -> tuple[int, int]:
@@ -826,8 +838,8 @@ def walk(session: Session, start: int) -> dict:
         masking = here in ("nan", "inf")
         if masking or (under is not None and rec.kinds == only_minus and not rec.constant):
             found = len(masks)
-            masks.extend(("record", i) for i in produced if records[i].kinds == only_minus and records[i].constant)
-            produced = [i for i in produced if not (records[i].kinds == only_minus and records[i].constant)]
+            masks.extend(("record", i) for i in produced if _a_mask(records, i))
+            produced = [i for i in produced if not _a_mask(records, i)]
             if masking:
                 masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
                 leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
@@ -852,6 +864,22 @@ def walk(session: Session, start: int) -> dict:
         break
     path.reverse()
     return {"origin": current, "transition": transition, "path": path, "masks": masks, "entered": entered}
+
+
+def _a_mask(records: list, i: int) -> bool:
+    """Whether record ``i`` holds a mask: -Inf only, depending on no parameter, and not made by a log of data that
+    was 0 (a magnitude, a count, a target probability: log(0) of those is the cause, not a mask). A log of a 0/1
+    mask is a mask, as any other -Inf is that its op did not make at a singularity (a Python -inf written in, a
+    cast of finfo.min to fp16)."""
+    rec = records[i]
+    if rec.kinds != frozenset({"-inf"}) or not rec.constant:
+        return False
+    for _ in range(32):  # back through what carried the -Inf (views, casts, a sum with other masks)
+        carried = next((j for j in rec.inputs if records[j].kinds == rec.kinds), None)
+        if carried is None:
+            break
+        rec = records[carried]
+    return rec.binary is not False
 
 
 def _masks_here(rec: OpRecord) -> bool:
