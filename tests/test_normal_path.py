@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from loops import CountSyncs, TokenLM, added_syncs
+from loops import CountSyncs, TokenLM, added_syncs, line_of
 
 import ampguard
 from ampguard import _sync, nonfinite
@@ -736,6 +736,61 @@ def test_large_finite_losses_outputs_and_gradients_never_raise(dtype, value, rea
     del held
     nonfinite.check()
     assert g.stats.nonfinite_detected == 0
+
+
+
+def _clipped_steps(dtype):
+    """Three clipped SGD steps whose gradients are each finite and whose norm passes the dtype's largest value:
+    65,536 gradients of 300 (a norm of 76,800) in float16, of 1e37 in float32. Plain PyTorch trains on zeros."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(65536, 1, bias=False).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with torch.no_grad():
+        model.weight.zero_()
+    x = torch.full((4, 65536), 75.0 if dtype == torch.float16 else 2.5e36, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()  # STEP ON ZEROS
+    assert norm.isinf() and bool((model.weight.grad == 0).all())
+    return model.weight.detach().clone(), [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_clip_norm_that_overflows_with_finite_gradients_is_said_once_and_changes_nothing(dtype, read_path):
+    """The clip's Inf total norm was read, re-checked exactly, found finite gradients, and said nothing: a run whose
+    clipping zeroed every gradient at every step went on silently, as plain PyTorch does."""
+    plain, _ = _clipped_steps(dtype)
+    g = ampguard.install()
+    guarded, found = _clipped_steps(dtype)
+    assert torch.equal(plain, guarded) and g.stats.nonfinite_detected == 0
+    assert len(found) == 1, [str(w.message) for w in found]
+    message = str(found[0].message)
+    assert message.startswith("ampguard: clip_grad_norm_ returned an Inf total norm while every gradient was finite, "
+                              "so it multiplied each gradient by max_norm / Inf = 0"), message
+    if dtype == torch.float16:
+        assert "computes the norm of float16 gradients in float16" in message and "torch.autocast" in message
+    else:
+        assert "Its sum of squares can pass float32's largest value (3.4e+38) once gradients reach about 2e+19: " \
+            "gradients that large are a diverging run's" in message, message
+    assert found[0].filename == __file__ and found[0].lineno == line_of(_clipped_steps, "STEP ON ZEROS")
+
+
+def test_a_clip_norm_that_is_finite_says_nothing():
+    ampguard.install()
+    model = torch.nn.Linear(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            (model(torch.randn(4, 64)) * 1e15).sum().backward()  # large, finite gradients and norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    assert [w for w in caught if issubclass(w.category, ampguard.AmpGuardWarning)] == []
 
 
 def test_a_nan_output_of_an_inference_call_is_reported_even_when_dropped_at_once(read_path):

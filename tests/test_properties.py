@@ -257,19 +257,25 @@ def test_the_gradient_sink_raises_exactly_where_a_gradient_is_non_finite(run):
         p.register_hook(lambda _, grad=grad: grad.clone())
         params.append(p)
     opt = torch.optim.SGD(params, lr=0.0)
-    error = None
-    try:
-        with ampguard.guard() as g:
-            sum((p.float() * 0).sum() for p in params).backward()  # a finite loss: the gradients are the sink
-            if run["clip"]:
-                torch.nn.utils.clip_grad_norm_(params, max_norm=1e30)
-            opt.step()
-    except ampguard.NonFiniteError as exc:
-        error = exc
+    error, total = None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with ampguard.guard() as g:
+                sum((p.float() * 0).sum() for p in params).backward()  # a finite loss: the gradients are the sink
+                if run["clip"]:
+                    total = torch.nn.utils.clip_grad_norm_(params, max_norm=1e30)
+                opt.step()
+        except ampguard.NonFiniteError as exc:
+            error = exc
+    said = [w for w in caught if "clip_grad_norm_ returned an Inf total norm" in str(w.message)]
     if run["poison"] is None:
         assert error is None, (run, str(error))
         assert g.stats.optimizer_steps_applied == 1
+        # large finite gradients whose norm overflowed: the clip zeroed them, and that alone is said
+        assert len(said) == (1 if total is not None and bool(total.isinf()) else 0), (run, total, said)
         return
+    assert said == [], run
     assert error is not None, run
     index, _, kind = run["poison"]
     if run["clip"]:

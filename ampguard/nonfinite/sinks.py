@@ -190,7 +190,7 @@ class Pending:
         self.nan_only = nan_only
         self.parts = parts  # tensors (or weakrefs to them) whose 2-norms the read takes, in one kernel
         self.status = status  # a status taken when the tensor was made (outputs under no_grad)
-        self.tensor = tensor  # the sink tensor or a weakref to it, for the error message
+        self.tensor = tensor  # the sink tensor or a weakref to it, for the error message (clip_grad_norm_'s total)
         self.call = call  # the Call whose output this is
         self.key = key  # which output of the call (a position or a dict key)
         self.params = params  # gradient sinks: the parameters checked
@@ -1747,8 +1747,9 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
     if not params or no_data(grads[0]):  # (a step under FakeTensorMode: memory estimation)
         return
     clip, t.clip = t.clip, None
+    clipped = None
     if clip is not None and clip[2] == t.backwards and all(id(p) in clip[1] for p in params):
-        parts = [clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
+        parts = [clipped := clip[0]]  # clip_grad_norm_'s total norm: non-finite when a gradient is (or it overflowed)
     else:
         parts = grads
     status = None
@@ -1765,7 +1766,7 @@ def _add_grads(g: _guard.Guard, optimizer: Any) -> None:
         elif not parts:
             return
     t.pending.append(Pending(g, _gradients_sink(g, optimizer), False, parts, params=params,
-                             optimizer=weakref.ref(optimizer), status=status))
+                             optimizer=weakref.ref(optimizer), status=status, tensor=clipped))
 
 
 @fail_safe(FEATURE)
@@ -2109,7 +2110,41 @@ def _failed(p: Pending, values: list[float]) -> bool:
     nan = any(v != v for v in values)
     if not nan and (p.nan_only or (math.inf not in values and -math.inf not in values)):
         return False
-    return (nan and p.params is None) or not _finite_after_all(p)
+    if nan and p.params is None:
+        return True
+    if not _finite_after_all(p):
+        return True
+    if p.params is not None and p.tensor is not None:
+        _say_clip_overflowed(p)
+    return False
+
+
+CLIP_OVERFLOW_SAID = _guard.declare_state("nonfinite_clip_overflow", set)  # the guard said it: {True}
+
+
+def _say_clip_overflowed(p: Pending) -> None:
+    """clip_grad_norm_'s total norm was Inf and every gradient is finite: the norm overflowed its dtype (float16
+    gradients together above 65504, or float32 ones of a diverging run), and the clip multiplied every gradient by
+    max_norm / Inf = 0. Nothing is non-finite, so nothing raises; the batch taught nothing, silently, at every such
+    step. Said once per guard (the failure path: each gradient is read)."""
+    said = p.guard.states[CLIP_OVERFLOW_SAID]
+    if said:
+        return
+    said.add(True)
+    dtype = next(q.grad.dtype for q in p.params if q.grad is not None)
+    name = str(dtype).removeprefix("torch.")
+    if dtype in (_torch.float16, _torch.bfloat16):
+        why = (f"clip_grad_norm_ computes the norm of {name} gradients in {name}, and gradients that are each finite "
+               f"pass its largest value ({_torch.finfo(dtype).max:.4g}) together. Fix: keep float32 parameters and "
+               "train under torch.autocast (with a GradScaler for float16): their gradients are float32.")
+    else:
+        why = (f"Its sum of squares can pass {name}'s largest value ({_torch.finfo(dtype).max:.2g}) once gradients "
+               f"reach about {_torch.finfo(dtype).max ** 0.5:.1g}: gradients that large are a diverging run's (a "
+               "learning rate too high, an exploding recurrence). Lower the learning rate, or find what grew.")
+    warn_at_user(f"ampguard: clip_grad_norm_ returned an Inf total norm while every gradient was finite, so it "
+                 "multiplied each gradient by max_norm / Inf = 0: this optimizer step ran on gradients of 0, and the "
+                 f"batch taught the model nothing (momentum and weight decay still moved the parameters). {why} "
+                 "Said once; it happens at every step where the norm overflows.")
 
 
 def _gradients_set_to_none(window: list) -> bool:
