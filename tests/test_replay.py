@@ -2256,3 +2256,20 @@ def test_fp16_gradients_that_overflow_in_the_backward_are_called_an_overflow_not
     assert "more than float16 holds (6.55e+04): they overflowed float16 here, at no singularity." in message, message
     assert "The loss was finite: the backward pass overflowed float16 (above). Make the loss smaller" in message
     assert "sqrt or pow at 0" not in message, message
+
+
+def test_a_matmul_whose_fp16_backward_overflows_is_called_an_overflow():
+    """The incoming gradients were below 65504, and the linear layer's backward multiplied them past it: the message
+    said "look for ops with unbounded gradients (sqrt or pow at 0 ...)" of an addmm, which has none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        (model(torch.randn(64, 512, dtype=torch.float16)).float() * 1000).pow(2).mean().backward()
+        opt.step()
+    err, message = info.value, str(info.value)
+    assert err.op == "torch.addmm" and err.sink == "gradient of parameter '2.weight'", message
+    assert "and torch.addmm has no singularity: its backward multiplies them by values its forward saved, and the " \
+        "products passed float16's largest value (6.55e+04). They overflowed float16 here." in message, message
+    assert "The loss was finite: the backward pass overflowed float16 (above). Make the loss smaller" in message
+    assert "sqrt or pow at 0" not in message, message

@@ -1011,7 +1011,7 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
         forward = _forward_of(found["node"])
         lines = [f"  The backward of {forward} ({found['node']}) turned finite gradients into "
                  f"{report.kinds_words(found['kinds'])}. Its forward op is{in_module} at\n    {report.where(own)}",
-                 *_overflow_lines(found.get("incoming")), *_zero_lines(forward, found.get("zeros"))]
+                 *_overflow_lines(found.get("incoming"), forward), *_zero_lines(forward, found.get("zeros"))]
     if user_site is not None and user_site != own:
         lines.append(f"  called from your code at\n    {report.where(user_site)}")
     return forward, module, report.stack_summary(user) if user else None, \
@@ -1045,18 +1045,32 @@ def _zero_lines(forward: str, zeros: list | None) -> list[str]:
     return [f"  In the replay {measured}. The gradient of {forward} is {gradient}. {fix}"]
 
 
-def _overflow_lines(incoming: tuple | None) -> list[str]:
+def _overflow_lines(incoming: tuple | None, forward: str = "") -> list[str]:
     """A backward node that made ±Inf from finite gradients larger than the dtype it made holds (a cast of an fp32
-    gradient to fp16, by autocast or .float()): they overflowed it, which no op's singularity did."""
+    gradient to fp16, by autocast or .float()): they overflowed it, which no op's singularity did. So did the
+    backward of an op with no singularity (a matmul, a linear, a convolution, a product or a sum), whose gradients
+    times the values it saved passed the dtype's largest value."""
     if incoming is None:
         return []
     largest, dtype = incoming
     limit = report._LIMITS.get(str(dtype))
-    if limit is None or largest <= limit:
-        return []  # (an op's own arithmetic may still overflow; that is not known here)
     name = str(dtype).removeprefix("torch.")
-    return [f"{_OVERFLOWED} |x| = {largest:.3g}, more than {name} holds ({limit:.4g}): they overflowed {name} "
-            "here, at no singularity."]
+    if limit is None:
+        return []
+    if largest > limit:
+        return [f"{_OVERFLOWED} |x| = {largest:.3g}, more than {name} holds ({limit:.4g}): they overflowed {name} "
+                "here, at no singularity."]
+    if not _NO_SINGULARITY.fullmatch(forward.rpartition(".")[2].strip("_")):
+        return []  # (a division, a root, a log: its singularity, or its own arithmetic; not known here)
+    return [f"{_OVERFLOWED} |x| = {largest:.3g}, and {forward} has no singularity: its backward multiplies them by "
+            f"values its forward saved, and the products passed {name}'s largest value ({limit:.4g}). They "
+            f"overflowed {name} here."]
+
+
+# ops whose backward is products and sums of the gradients and the values the forward saved: non-finite from
+# finite values only by passing the dtype's largest value
+_NO_SINGULARITY = re.compile(r"(add|b|baddb)?mm|addmv|mv|matmul|linear|einsum|bilinear|conv\w*|convolution\w*|mul|"
+                             r"add|sub|sum|mean|cat|stack|embedding\w*")
 
 
 _SITES_SHOWN = 5  # lines listed where a script's graph has the op more than once
