@@ -2047,6 +2047,22 @@ def test_a_log_of_a_zero_in_the_target_is_the_origin_not_a_mask():
         "probability), clamp it (min=eps) or add eps before the log." in message, message
 
 
+
+def _float16_log_magnitude(out):
+    mag = torch.relu(out).half()  # 0 where the relu cuts
+    return (torch.log(mag + 1e-9).float() - 1.0).abs().mean()  # EPS 1e-9 IN FLOAT16
+
+
+def test_a_float16_log_of_data_with_an_eps_too_small_for_float16_says_the_eps_rounds_to_0():
+    """The advice said to add an eps before the log: this loss does, and 1e-9 rounds to 0 in float16."""
+    err, message = _error_of_a_step(_float16_log_magnitude, width=6)
+    assert err.op == "torch.log" and "log(0) is -Inf: its input held 0." in message, message
+    assert "  This log ran in float16, where an eps below 3e-8 (1e-8, 1e-9) added to its input rounds to 0 and adds " \
+        "nothing" in message, message
+    _, message = _error_of_a_step(_log_spectrum_loss, width=6)  # (float32: no such line)
+    assert "This log ran in float16" not in message, message
+
+
 def _log_masked_scores(out):
     keep = torch.ones(out.shape[0], 3)
     keep[1] = 0.0  # a row with nothing to attend to

@@ -581,7 +581,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if entered is None:
         lines.extend(_outside_domain(rec))
-        lines.extend(_op_advice(label, rec.kinds, _log_input(session, rec)))
+        lines.extend(_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype))
         lines.extend(_divisor_lines(session, names, rec))
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
@@ -788,12 +788,14 @@ def _divisor_lines(session: replay.Session, names: dict, rec: replay.OpRecord) -
     return lines
 
 
-def _op_advice(label: str, kinds: Any, log_input: str | None = None) -> list[str]:
+def _op_advice(label: str, kinds: Any, log_input: str | None = None, dtype: Any = None) -> list[str]:
     """The lines of _OP_ADVICE for the op ``label`` that made ``kinds`` from finite inputs. A log that made -Inf is
     advised by what its input was (see _log_input): log_softmax fixes a probability that underflowed, not a masked
-    one, nor a 0 in the data."""
+    one, nor a 0 in the data; in float16, an eps added to the data rounds to 0 below 3e-8."""
     if _LOG.search(label) and "-inf" in kinds and log_input != "probability":
-        return [_LOG_OF_A_MASKED_PROBABILITY if log_input == "masked" else _LOG_OF_A_ZERO]
+        if log_input == "masked":
+            return [_LOG_OF_A_MASKED_PROBABILITY]
+        return [_LOG_OF_A_ZERO, _EPS_IN_FP16_LOG] if str(dtype) == "torch.float16" else [_LOG_OF_A_ZERO]
     return [f"  {advice}" for pattern, kind, advice in _OP_ADVICE if kind in kinds and pattern.search(label)]
 
 
@@ -806,6 +808,9 @@ _LOG_OF_A_MASKED_PROBABILITY = (
     "whatever the precision (log_softmax is -Inf there too). For an entropy take Categorical(logits=...).entropy(); "
     "otherwise mask with torch.finfo(dtype).min instead of -inf and take log_softmax, or clamp the probability "
     "(min=eps) before the log.")
+_EPS_IN_FP16_LOG = ("  This log ran in float16, where an eps below 3e-8 (1e-8, 1e-9) added to its input rounds to 0 "
+                    "and adds nothing: take the log in float32 (.float() before the eps is added), or use an eps of "
+                    "at least 1e-6.")
 _LOG_OF_A_ZERO = (
     "  log(0) is -Inf: its input held 0. Where that 0 is in the data (a magnitude, a count, a target probability), "
     "clamp it (min=eps) or add eps before the log. Where it is a probability that underflowed (below 1e-45 in "
@@ -1136,9 +1141,9 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
         op = module = None
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
+        advice = _op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype)
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}", *_op_advice(label, rec.kinds, _log_input(session, rec)),
-                 *_inf_lines(session, _names(g, window), rec, label)]
+                 f"\n    {report.where(own)}{called}", *advice, *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))
