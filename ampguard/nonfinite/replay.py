@@ -958,8 +958,29 @@ def _saved_non_finite(node: Any, made_nan: bool) -> frozenset:
     became non-finite by meeting them (0 x NaN), and the value came from the forward. -Inf alone counts only where
     the node made NaN (0 x -Inf): p * log(p) at a masked p of 0, which a torch.where hid from the loss. Where it made
     ±Inf only, a -Inf it saved is a mask's, and the node's own singularity is the likelier cause."""
+    met = frozenset().union(*(kinds(t) for _, t in _saved(node)))
+    return met if made_nan or met - {"-inf"} else frozenset()
+
+
+def _saved_zeros(node: Any) -> list[tuple[str, int, int]]:
+    """(name, zeros, elements) of each floating value the node saved that holds exact zeros: where the gradient of a
+    sqrt, log, rsqrt or fractional power is unbounded, the replay's measure of the singularity it met."""
+    if node.name().startswith("PowBackward"):
+        exponent = getattr(node, "_saved_exponent", None)
+        if not (isinstance(exponent, (int, float)) and exponent < 1):
+            return []  # a pow is singular at 0 for a power below 1 only (a tensor's power is not judged)
+    found = []
+    for name, t in _saved(node):
+        zeros = measured(t, _zeros)
+        if zeros and zeros[0]:
+            found.append((name, *zeros))
+    return found
+
+
+def _saved(node: Any) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of each non-empty floating tensor an autograd node saved for its backward (``_saved_self`` is
+    "self"; a saved list's tensors each under its name)."""
     torch = sinks._torch
-    met: set = set()
     for name in dir(node):
         if name.startswith("_saved_"):
             try:
@@ -968,30 +989,7 @@ def _saved_non_finite(node: Any, made_nan: bool) -> frozenset:
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and sinks.floating_tensor(t):
-                    met |= kinds(t)
-    return frozenset(met) if made_nan or met - {"-inf"} else frozenset()
-
-
-def _saved_zeros(node: Any) -> list[tuple[str, int, int]]:
-    """(name, zeros, elements) of each floating value the node saved that holds exact zeros: where the gradient of a
-    sqrt, log, rsqrt or fractional power is unbounded, the replay's measure of the singularity it met."""
-    torch = sinks._torch
-    if node.name().startswith("PowBackward"):
-        exponent = getattr(node, "_saved_exponent", None)
-        if not (isinstance(exponent, (int, float)) and exponent < 1):
-            return []  # a pow is singular at 0 for a power below 1 only (a tensor's power is not judged)
-    found = []
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            try:
-                value = getattr(node, name)
-            except RuntimeError:
-                continue
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                zeros = measured(value, _zeros)
-                if zeros and zeros[0]:
-                    found.append((name.removeprefix("_saved_"), *zeros))
-    return found
+                    yield name.removeprefix("_saved_"), t
 
 
 def first_made(session: Session) -> int | None:
