@@ -2124,16 +2124,16 @@ CLIP_OVERFLOW_SAID = _guard.declare_state("nonfinite_clip_overflow", set)  # the
 
 def _say_clip_overflowed(p: Pending) -> None:
     """clip_grad_norm_'s total norm was Inf and every gradient is finite: the norm overflowed its dtype (float16
-    gradients together above 65504, or float32 ones of a diverging run), and the clip multiplied every gradient by
-    max_norm / Inf = 0. Nothing is non-finite, so nothing raises; the batch taught nothing, silently, at every such
-    step. Said once per guard (the failure path: each gradient is read)."""
+    gradients together above 65504, or float32 and bfloat16 ones of a diverging run), and the clip multiplied every
+    gradient by max_norm / Inf = 0. Nothing is non-finite, so nothing raises; the batch taught nothing, silently, at
+    every such step. Said once per guard (the failure path: each gradient is read)."""
     said = p.guard.states[CLIP_OVERFLOW_SAID]
     if said:
         return
     said.add(True)
     dtype = next(q.grad.dtype for q in p.params if q.grad is not None)
     name = str(dtype).removeprefix("torch.")
-    if dtype in (_torch.float16, _torch.bfloat16):
+    if dtype == _torch.float16:  # (bfloat16 has float32's range)
         why = (f"clip_grad_norm_ computes the norm of {name} gradients in {name}, and gradients that are each finite "
                f"pass its largest value ({_torch.finfo(dtype).max:.4g}) together. Fix: keep float32 parameters and "
                "train under torch.autocast (with a GradScaler for float16): their gradients are float32.")
@@ -2143,8 +2143,8 @@ def _say_clip_overflowed(p: Pending) -> None:
                "learning rate too high, an exploding recurrence). Lower the learning rate, or find what grew.")
     warn_at_user(f"ampguard: clip_grad_norm_ returned an Inf total norm while every gradient was finite, so it "
                  "multiplied each gradient by max_norm / Inf = 0: this optimizer step ran on gradients of 0, and the "
-                 f"batch taught the model nothing (momentum and weight decay still moved the parameters). {why} "
-                 "Said once; it happens at every step where the norm overflows.")
+                 "batch taught the model nothing (only momentum and weight decay, if any, moved the parameters). "
+                 f"{why} Said once; it happens at every step where the norm overflows.")
 
 
 def _gradients_set_to_none(window: list) -> bool:
