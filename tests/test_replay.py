@@ -2079,6 +2079,29 @@ def test_a_log_of_a_0_1_mask_is_still_a_mask():
         message
 
 
+
+def _smoothed_over_a_masked_vocabulary(out):
+    banned = torch.zeros(out.shape[-1], dtype=torch.bool)
+    banned[-2:] = True
+    logits = out.masked_fill(banned, float("-inf"))  # VOCABULARY MASK
+    return torch.nn.functional.cross_entropy(logits, torch.zeros(out.shape[0], dtype=torch.long), label_smoothing=0.1)
+
+
+def test_a_masked_class_that_label_smoothing_weighs_says_the_loss_took_the_mask():
+    """A vocabulary mask of -inf, and label smoothing, which weighs every class: the loss is +Inf. The message named
+    the masked_fill and said nothing of why a mask, written on purpose, reached the loss."""
+    err, message = _error_of_a_step(_smoothed_over_a_masked_vocabulary, width=5)
+    assert err.op == "Tensor.masked_fill", message
+    assert "It became +Inf in aten.neg inside torch.nn.functional.cross_entropy" in message, message
+    assert "  That -Inf is a mask's, written into the logits on purpose, and the loss took it: a class's -Inf " \
+        "log-probability enters cross_entropy where the target is that class, and where label_smoothing" in message, \
+        message
+    assert "A finfo.min mask does not help" in message, message
+    lowest = torch.finfo(torch.float32).min  # (as the message says: the smoothing's sum overflows)
+    assert torch.nn.functional.cross_entropy(torch.tensor([[0.0, lowest, lowest]]), torch.tensor([0]),
+                                             label_smoothing=0.1).isinf()
+
+
 def _hand_written_softmax(logits):
     e = torch.exp(logits)  # EXP LINE (overflows above 88.7 in float32)
     return e / e.sum(-1, keepdim=True)  # DIV LINE (Inf / Inf)

@@ -583,6 +583,9 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
         lines.extend(_outside_domain(rec))
         lines.extend(_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype))
         lines.extend(_divisor_lines(session, names, rec))
+        if result["transition"] is not None and replay.masks_here(rec) and \
+                _CLASS_LOSSES.search(_label(records[result["transition"]])[0]):
+            lines.append(_MASKED_CLASS_IN_A_LOSS)
     if masked_row:
         lines.append("  A row that masks cover everywhere (a sequence that is all padding, say) has no finite value "
                      "for a softmax to normalize, and becomes NaN: mask with a large negative number "
@@ -800,6 +803,13 @@ def _op_advice(label: str, kinds: Any, log_input: str | None = None, dtype: Any 
 
 
 _LOG = re.compile(r"(?<![a-z_])(log|log2|log10)_?\b")
+_CLASS_LOSSES = re.compile(r"cross_entropy|nll_loss|kl_div")
+_MASKED_CLASS_IN_A_LOSS = (
+    "  That -Inf is a mask's, written into the logits on purpose, and the loss took it: a class's -Inf "
+    "log-probability enters cross_entropy where the target is that class, and where label_smoothing or a "
+    "probability target gives it weight (every class, masked ones too). Leave the masked classes out of the logits "
+    "(index the allowed ones) and of the targets, or smooth over the allowed classes only. (A finfo.min mask does "
+    "not help: the smoothing sums those log-probabilities, and the sum overflows.)")
 # ops that select, reshape or copy values without computing new ones
 _MOVES = re.compile(r"select|slice|index|gather|narrow|view|unsafe_view|reshape|squeeze|unsqueeze|expand|permute|"
                     r"transpose|t|clone|contiguous|to_copy|alias|unbind|split|flatten|detach|lift_fresh")

@@ -843,7 +843,7 @@ def walk(session: Session, start: int) -> dict:
             if masking:
                 masks.extend(("leaf", leaf) for leaf in leaves if leaf[1] == only_minus and leaf[2])
                 leaves = [leaf for leaf in leaves if not (leaf[1] == only_minus and leaf[2])]
-            elif not produced and not leaves and (len(masks) > found or _masks_here(rec)):
+            elif not produced and not leaves and (len(masks) > found or masks_here(rec)):
                 # -Inf only where a mask made it: added (``scores + mask``) or written here (``masked_fill(m, -inf)``)
                 if len(masks) == found:
                     masks.append(("record", current))
@@ -882,7 +882,7 @@ def _a_mask(records: list, i: int) -> bool:
     return rec.binary is not False
 
 
-def _masks_here(rec: OpRecord) -> bool:
+def masks_here(rec: OpRecord) -> bool:
     """Whether the op wrote -Inf given as a Python number, and no other non-finite number: a mask written into the
     scores (``scores.masked_fill(pad, -inf)``, ``torch.where(keep, scores, -inf)``)."""
     return bool(rec.numbers) and all(n == -math.inf for n in rec.numbers)
