@@ -692,6 +692,7 @@ def test_a_nan_the_forward_made_and_the_loss_dropped_is_named_in_the_forward_not
         "(inputs finite but for a mask) in module 'attn'" in message, message
     assert "was not counted as a cause: the mask made by torch.nn.functional.multi_head_attention_forward at " \
         f"{__file__}:{line_of(PaddedEncoder.forward, 'PADDED ATTENTION')}." in message, message
+    assert "-Inf that masks put there (depending on no parameter, as attention masks do)" in message, message
     assert "the backward of MmBackward0 met NaN among the values the forward saved, and finite gradients times it " \
         "gave NaN (anything times NaN is NaN)" in message
     assert "the backward pass made it" not in message
@@ -1836,6 +1837,8 @@ def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_
     assert "A product is NaN only as 0 x ±Inf" in message and "Categorical(logits=...).entropy()" in message, message
     assert "(torch.special.xlogy(p, p) and entr(p) are 0 there too, but their gradients are NaN.)" in message, message
     assert "was not counted as a cause: the mask made by Tensor.masked_fill at " in message, message
+    # (the policy's logits depend on its parameters: the mask is the -inf written into them, not a parameter-free one)
+    assert "-Inf that masks put there (written as -inf on purpose, as a masked_fill of logits is)" in message, message
 
 
 _ENTROPIES = {  # an entropy over masked logits, as the product advice above words each

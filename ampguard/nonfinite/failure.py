@@ -851,8 +851,12 @@ def _masks(session: replay.Session, names: dict, masks: list) -> list[str]:
         return []
     made = sorted({_leaf_name(session, names, m[1][0]()) if m[0] == "leaf" else _mask_made(session.records[m[1]])
                    for m in masks})
-    return ["  -Inf that masks put there (depending on no parameter, as attention masks do) was not counted as a "
-            f"cause: {', '.join(made)}."]
+    # a mask depends on no parameter (an attention mask), or was written as -inf into values that do (masked logits)
+    written = [m for m in masks if m[0] == "record" and not session.records[m[1]].constant]
+    why = "depending on no parameter, as attention masks do" if not written else \
+        "written as -inf on purpose, as a masked_fill of logits is" if len(written) == len(masks) else \
+        "written as -inf on purpose, or depending on no parameter, as attention masks do"
+    return [f"  -Inf that masks put there ({why}) was not counted as a cause: {', '.join(made)}."]
 
 
 def _mask_made(rec: replay.OpRecord) -> str:
