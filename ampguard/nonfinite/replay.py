@@ -811,7 +811,8 @@ def walk(session: Session, start: int) -> dict:
 
     From a NaN or +Inf, an input that holds only -Inf and depends on no parameter (an attention
     mask, however it was reshaped or cast) is not followed: masks hold -inf on purpose, and
-    ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed.
+    ``finfo.min`` becomes -inf in fp16. A -Inf made from the parameters (``log(0)``) is followed, and so is a log(0)
+    of data that held 0s among other values (see _a_mask).
     Nor is a mask followed from the masked scores on the way back from a NaN (-Inf only where
     masked: a mask added, ``scores + mask``, or written, ``scores.masked_fill(pad, -inf)``): when
     masks are all the -Inf those scores hold, the op that turned them NaN (a softmax over a fully
