@@ -1841,6 +1841,24 @@ def test_an_entropy_over_masked_logits_names_the_product_of_0_and_minus_inf_and_
     assert "-Inf that masks put there (written as -inf on purpose, as a masked_fill of logits is)" in message, message
 
 
+
+def test_a_root_that_a_where_hid_says_how_far_below_0_its_input_was():
+    """torch.where(x > 0, torch.sqrt(x), 0) of a linear layer's output: the forward's NaN is hidden, the gradient's is
+    not. The measured range of the sqrt's input is in this message too, as in the one for a NaN the loss saw: a
+    clamp, the usual fix for rounding, would hide a quantity of the wrong sign."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampguard.guard(), pytest.raises(ampguard.NonFiniteError) as info:
+        x = model(torch.randn(16, 8))
+        torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x)).pow(2).mean().backward()
+        opt.step()
+    message = str(info.value)
+    assert "The forward made it: torch.sqrt created NaN (inputs finite)" in message, message
+    assert "  Its input was as low as -" in message and "a value far below that is a quantity of the wrong sign" \
+        in message, message
+
+
 _ENTROPIES = {  # an entropy over masked logits, as the product advice above words each
     "Categorical": lambda logits, valid: torch.distributions.Categorical(logits=logits).entropy(),
     "finfo.min": lambda logits, valid: -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1),

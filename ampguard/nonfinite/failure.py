@@ -1155,7 +1155,7 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
         op = module = None
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
-        advice = _op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype)
+        advice = [*_outside_domain(rec), *_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype)]
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
                  f"\n    {report.where(own)}{called}", *advice, *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
