@@ -370,6 +370,29 @@ def test_a_square_of_a_zero_difference_is_not_called_a_singularity():
     assert _saved_zeros(x.pow(0.5).grad_fn) == [("self", 3, 3)]
     assert _saved_zeros(x.sqrt().grad_fn) == [("result", 3, 3)]
 
+
+def _guarded_mean(out, double_where=False):
+    counts = torch.tensor([[0.0, 2.0, 1.0, 0.0]]).expand(out.shape[0], -1)  # some counts are 0
+    divisor = torch.where(counts == 0, torch.ones_like(counts), counts) if double_where else counts
+    return torch.where(counts > 0, out / divisor, torch.zeros_like(out)).pow(2).mean()  # GUARDED DIV
+
+
+def test_a_division_that_a_where_guards_in_the_forward_only_names_its_zero_divisors_and_the_double_where():
+    """torch.where(counts > 0, x / counts, 0) is finite, and its gradient NaN: the where sends a zero gradient through
+    x / 0. The message said "look for ops with unbounded gradients"; the replay counts the divisor's zeros."""
+    err, message = _error_of_a_step(_guarded_mean)
+    assert err.op == "torch.div" and err.origin[-1].lineno == line_of(_guarded_mean, "GUARDED DIV"), message
+    assert "  In the replay its divisor was 0 at 4 of 8 elements. The gradient of torch.div is 1 / y for x / y" \
+        in message, message
+    assert "divide by torch.where(y == 0, 1, y) inside the where as well (the double where)" in message, message
+    torch.manual_seed(0)  # the double where it names trains
+    model = torch.nn.Linear(4, 4)
+    with ampguard.guard():
+        _guarded_mean(model(torch.rand(2, 4)), double_where=True).backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 class SqrtBlock(torch.nn.Module):
     def __init__(self, bad=False):
         super().__init__()

@@ -1037,30 +1037,36 @@ def _replay_backward(g: _guard.Guard, window: list, losses: list, found_kinds: s
         [*lines, *_written_inputs(session, True), *how]
 
 
-# op -> (what its gradient is, and the fix) where the gradient is unbounded at an input of 0
+# op -> (the saved values whose 0s are its singularity, what its gradient is, the fix) where the gradient is
+# unbounded at an input of 0
 _UNBOUNDED_AT_0 = {
-    "torch.sqrt": ("1 / (2 sqrt(x)), +Inf at 0", "A norm or distance written by hand, sqrt(sum(d ** 2)), is 0 for a "
-                   "zero vector (a point and itself, a padded row): take torch.linalg.vector_norm or torch.cdist, "
-                   "whose gradient at 0 is 0, or add eps inside the sqrt."),
-    "torch.pow": ("a x^(a-1) for x ** a, unbounded at 0 for a power a below 1", "Clamp the base (min=eps) before "
-                  "the power: a focal loss's (1 - p) ** gamma meets 0 where p rounds to 1. A norm written as a power "
-                  "of a sum of squares: take torch.linalg.vector_norm, whose gradient at 0 is 0."),
-    "torch.rsqrt": ("-1 / (2 x^1.5), unbounded at 0", "Add eps before the rsqrt (as layer norms do)."),
-    "torch.log": ("1 / x, unbounded at 0", "Clamp the input (min=eps) before the log, or take log_softmax or "
-                  "logsigmoid instead of the log of a probability."),
+    "torch.sqrt": (("result",), "1 / (2 sqrt(x)), +Inf at 0", "A norm or distance written by hand, sqrt(sum(d ** 2)), "
+                   "is 0 for a zero vector (a point and itself, a padded row): take torch.linalg.vector_norm or "
+                   "torch.cdist, whose gradient at 0 is 0, or add eps inside the sqrt."),
+    "torch.pow": (("self",), "a x^(a-1) for x ** a, unbounded at 0 for a power a below 1", "Clamp the base (min=eps) "
+                  "before the power: a focal loss's (1 - p) ** gamma meets 0 where p rounds to 1. A norm written as a "
+                  "power of a sum of squares: take torch.linalg.vector_norm, whose gradient at 0 is 0."),
+    "torch.rsqrt": (("result",), "-1 / (2 x^1.5), unbounded at 0", "Add eps before the rsqrt (as layer norms do)."),
+    "torch.log": (("self",), "1 / x, unbounded at 0", "Clamp the input (min=eps) before the log, or take log_softmax "
+                  "or logsigmoid instead of the log of a probability."),
+    "torch.div": (("other",), "1 / y for x / y (and -x / y^2), unbounded where the divisor y is 0",
+                  "A torch.where that picks another value where y is 0 still sends the gradient through the division "
+                  "there: divide by torch.where(y == 0, 1, y) inside the where as well (the double where), or by "
+                  "y.clamp(min=1) for a count."),
 }
-_SAVED_AS = {"self": "its input", "result": "its output", "other": "its second input"}
+_SAVED_AS = {"self": "its input", "result": "its output", "other": "its divisor"}
 
 
 def _zero_lines(forward: str, zeros: list | None) -> list[str]:
     """What the replay measured where a backward met its op's singularity at 0: which of the values the forward saved
     held zeros, and how many."""
     known = _UNBOUNDED_AT_0.get(forward)
-    if known is None or not zeros:
+    zeros = [z for z in zeros or () if known is not None and z[0] in known[0]]
+    if not zeros:
         return []
     measured = "; ".join(f"{_SAVED_AS.get(name, name)} was 0 at {n:,} of {total:,} elements"
                          for name, n, total in zeros)
-    gradient, fix = known
+    _, gradient, fix = known
     return [f"  In the replay {measured}. The gradient of {forward} is {gradient}. {fix}"]
 
 
