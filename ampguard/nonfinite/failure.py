@@ -687,7 +687,6 @@ _OP_ADVICE = (
 # input of 0 (log(0), x/0, rsqrt(0), pow(0, -1)), or elsewhere (atanh(1), log1p(-1), lgamma(-1))
 _SINGULAR_AT_0 = frozenset(("div", "divide", "true_divide", "floor_divide", "reciprocal", "rsqrt", "sqrt", "log",
                             "log2", "log10", "xlogy", "pow", "float_power"))
-_DIVISIONS = frozenset(("div", "divide", "true_divide", "reciprocal", "rsqrt"))
 _DIVIDED_BY_0 = ("  A division (or a reciprocal) of finite values is ±Inf where its divisor is 0: a difference of "
                  "equal values, a count or a norm that is 0, a std of a constant. Add eps to the divisor (keeping its "
                  "sign), or clamp it (min=eps) where it is never negative.")
@@ -712,7 +711,7 @@ def _inf_lines(session: replay.Session, names: dict, rec: Any, label: str) -> li
     limit = report._LIMITS.get(str(rec.dtype))
     op = rec.name.partition(".")[2].strip("_")
     singular = any(zero for *_, zero in rec.largest or ()) if op in _SINGULAR_AT_0 else _SINGULAR.fullmatch(op)
-    if singular and op in _DIVISIONS and "nan" not in rec.kinds:  # (a 0/0 is NaN, with advice of its own)
+    if singular and op in replay.DIVISIONS and "nan" not in rec.kinds:  # (a 0/0 is NaN, with advice of its own)
         lines = [_DERIVATIVE_AT_0 if "torch.autograd.grad" in label else _DIVIDED_BY_0]
         return [*lines, _EPS_IN_FP16] if str(rec.dtype) == "torch.float16" else lines
     if not rec.largest or limit is None or singular or not any(amax for _, _, amax, _ in rec.largest):

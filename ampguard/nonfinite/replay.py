@@ -179,19 +179,27 @@ class Session:
                 made_inf = [*(made_inf or ()), self.records[-1]]
             if mutable and o._base is not None:
                 self._wrote_into(o._base, found, inputs, constant, made_by)
-        if made_inf and not leaves and not numbers and not any(self.records[i].kinds for i in inputs):
-            largest = self._largest(tensors[:_LARGEST_OF])
-            binary = measured(tensors[0], _binary) if _LOGS.fullmatch(op.rstrip("_")) and tensors else None
-            for r in made_inf:
-                r.largest, r.binary = largest, binary
-        if op.rstrip("_") in _DOMAIN and tensors and not leaves and not numbers and "nan" in self.records[-1].kinds \
-                and not any(self.records[i].kinds for i in inputs):
-            self.records[-1].domain = _range(tensors[0])
-        if op.rstrip("_") in _DIVISIONS and len(tensors) == 2 and not leaves and not numbers and \
-                "nan" in self.records[-1].kinds and not any(self.records[i].kinds for i in inputs):
-            self.records[-1].divisor = self._zeros_of(tensors[1])
+        if (made_inf or (outputs and "nan" in self.records[-1].kinds)) and not leaves and not numbers and \
+                not any(self.records[i].kinds for i in inputs):
+            self._measure(op.rstrip("_"), tensors, made_inf)
         if self.stop_after is not None and len(self.records) > self.stop_after:
             raise Reached
+
+    def _measure(self, op: str, tensors: list, made_inf: list | None) -> None:
+        """The op made NaN or ±Inf from finite inputs: what its message tells of them. ±Inf: how large they were (an
+        overflow, or a singularity), and a log's whether it took a 0/1 mask. NaN: a root's or log's input range, a
+        division's divisor."""
+        made = self.records[-1]
+        if made_inf:
+            largest = self._largest(tensors[:_LARGEST_OF])
+            binary = measured(tensors[0], _binary) if _LOGS.fullmatch(op) and tensors else None
+            for r in made_inf:
+                r.largest, r.binary = largest, binary
+        if "nan" in made.kinds and tensors:
+            if op in _DOMAIN:
+                made.domain = _range(tensors[0])
+            if op in DIVISIONS and len(tensors) == 2:  # (x / y: a reciprocal or rsqrt has no divisor of its own)
+                made.divisor = self._zeros_of(tensors[1])
 
     def _largest(self, tensors: list) -> tuple:
         """An op made ±Inf from finite inputs: how large its inputs were, to tell a result that passed its dtype's
@@ -254,8 +262,8 @@ class Session:
 
 _INFS = frozenset(("inf", "-inf"))
 _LARGEST_OF = 4  # inputs measured: a matmul's two and a bias, say
+DIVISIONS = frozenset(("div", "divide", "true_divide", "reciprocal", "rsqrt"))  # (aten names)
 # ops NaN outside their domain: below 0 (a root, a log, a fractional power of a negative base), outside [-1, 1]
-_DIVISIONS = frozenset(("div", "divide", "true_divide"))
 _DOMAIN = frozenset(("sqrt", "rsqrt", "log", "log2", "log10", "pow", "acos", "asin", "arccos", "arcsin"))
 
 
