@@ -580,8 +580,7 @@ def _origin_error(g: _guard.Guard, p: Pending, session: replay.Session, window: 
                      "nanmean skips; in training the loss decides), run those calls under `with ampguard.guard("
                      "nonfinite=\"off\"):`: ampguard cannot tell a marker from a mistake.")
     if entered is None:
-        lines.extend(_outside_domain(rec))
-        lines.extend(_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype))
+        lines.extend(_made_advice(session, rec, label))
         lines.extend(_divisor_lines(session, names, rec))
         if result["transition"] is not None and replay.masks_here(rec) and \
                 _CLASS_LOSSES.search(_label(records[result["transition"]])[0]):
@@ -788,6 +787,12 @@ def _divisor_lines(session: replay.Session, names: dict, rec: replay.OpRecord) -
                      "group of one element with correction=0. Divide by it plus eps, or by .clamp(min=eps); leave "
                      "constant columns out.")
     return lines
+
+
+def _made_advice(session: replay.Session, rec: replay.OpRecord, label: str) -> list[str]:
+    """What the replay measured of the op that made the value from finite inputs, and the advice for that op: the
+    same lines whether the loss saw the value or only the backward met it."""
+    return [*_outside_domain(rec), *_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype)]
 
 
 def _op_advice(label: str, kinds: Any, log_input: str | None = None, dtype: Any = None) -> list[str]:
@@ -1160,9 +1165,9 @@ def _made_in_forward(g: _guard.Guard, window: list, session: replay.Session, mad
         op = module = None
     else:
         finite = "inputs finite but for a mask" if _made_from_a_mask(walked) else "inputs finite"
-        advice = [*_outside_domain(rec), *_op_advice(label, rec.kinds, _log_input(session, rec), rec.dtype)]
         lines = [f"{_FORWARD_MADE} {label} created {report.kinds_words(rec.kinds)} ({finite}){in_module} at"
-                 f"\n    {report.where(own)}{called}", *advice, *_inf_lines(session, _names(g, window), rec, label)]
+                 f"\n    {report.where(own)}{called}", *_made_advice(session, rec, label),
+                 *_inf_lines(session, _names(g, window), rec, label)]
     if walked["transition"] is not None:
         lines.append(_became(g, window, session.records[walked["transition"]]))
     lines.extend(_masks(session, _names(g, window), walked["masks"]))
