@@ -61,7 +61,8 @@ from . import outermost
 FEATURE = "nonfinite"
 # What this feature keeps per Guard, read as g.states[KEY]:
 ROOTS = _guard.declare_state("nonfinite_roots", dict)  # id -> weakref of each module seen called outermost: names
-UNREADABLE_WARNED = _guard.declare_state("nonfinite_unreadable", set)  # output classes warned about once
+# what this guard has said once: each output class it cannot read, and _CLIP_OVERFLOW
+SAID_ONCE = _guard.declare_state("nonfinite_said_once", set)
 SKIPS_IN_ROW = _guard.declare_state("nonfinite_skips_in_row", lambda: [0])  # skip mode's steps skipped in a row
 BUFFER_STASHES = _guard.declare_state("nonfinite_stash", lambda: ObjectState(lambda _: []))  # skip mode: per module
 
@@ -1140,7 +1141,7 @@ def _made_here(outputs: list, args: tuple, kwargs: dict) -> list:
 
 def _warn_unreadable(g: _guard.Guard, module: Any, skipped: list) -> None:
     """Once per tensor class and guard: outputs of this class are not checked (the loss and gradients still are)."""
-    warned = g.states[UNREADABLE_WARNED]
+    warned = g.states[SAID_ONCE]
     for o, _ in skipped:
         cls = type(o)
         if cls in warned:
@@ -2106,7 +2107,8 @@ def _failed(p: Pending, values: list[float]) -> bool:
     """Whether sink ``p`` failed, given its statuses (failure path only). A NaN status is an element's NaN, except a
     gradient's: a sum, which finite values that overflow make NaN too. An Inf status may be such an overflow (a
     sum's, a 2-norm's sum of squares), and counts only where the sink judges Inf at all. Both are checked exactly,
-    so large finite values never raise."""
+    so large finite values never raise; where they were clip_grad_norm_'s total norm, that is said once (the clip
+    zeroed the gradients)."""
     nan = any(v != v for v in values)
     if not nan and (p.nan_only or (math.inf not in values and -math.inf not in values)):
         return False
@@ -2119,7 +2121,7 @@ def _failed(p: Pending, values: list[float]) -> bool:
     return False
 
 
-CLIP_OVERFLOW_SAID = _guard.declare_state("nonfinite_clip_overflow", set)  # the guard said it: {True}
+_CLIP_OVERFLOW = "clip_grad_norm_ overflowed"  # (a key of SAID_ONCE)
 
 
 def _say_clip_overflowed(p: Pending) -> None:
@@ -2127,10 +2129,10 @@ def _say_clip_overflowed(p: Pending) -> None:
     gradients together above 65504, or float32 and bfloat16 ones of a diverging run), and the clip multiplied every
     gradient by max_norm / Inf = 0. Nothing is non-finite, so nothing raises; the batch taught nothing, silently, at
     every such step. Said once per guard (the failure path: each gradient is read)."""
-    said = p.guard.states[CLIP_OVERFLOW_SAID]
-    if said:
+    said = p.guard.states[SAID_ONCE]
+    if _CLIP_OVERFLOW in said:
         return
-    said.add(True)
+    said.add(_CLIP_OVERFLOW)
     dtype = next(q.grad.dtype for q in p.params if q.grad is not None)
     name = str(dtype).removeprefix("torch.")
     if dtype == _torch.float16:  # (bfloat16 has float32's range)
